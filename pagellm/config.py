@@ -1,0 +1,126 @@
+"""EngineArgs: every engine setting once, shared by the CLI, ``LLM(**kwargs)`` and the server."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_memory(value: Union[int, float, str]) -> int:
+    """Bytes from an int or a string like ``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1e9"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"memory size {value!r} is not understood: use bytes or a number with a unit, like '2GiB' or '512MiB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return n
+
+
+def _flag(help: str, *aliases: str, **kw: Any) -> Any:
+    return {"help": help, "aliases": aliases, **kw}
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings. Field names are vLLM's; each becomes ``--field-name`` on the CLI."""
+
+    model: Optional[str] = field(default=None, metadata=_flag(
+        "Hugging Face model folder (config.json + *.safetensors); none: the embedded tiny default"))
+    tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
+    dtype: str = field(default="auto", metadata=_flag(
+        "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    device: str = field(default="auto", metadata=_flag("auto, cpu or cuda[:N]"))
+    seed: int = field(default=0, metadata=_flag("seed for random weights and unseeded sampling"))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV block, 1 to 256"))
+    max_model_len: Optional[int] = field(default=None, metadata=_flag(
+        "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
+        "--max-seq-len"))
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_flag(
+        "token budget of one engine step (default 2048, or max_model_len without chunked prefill)"))
+    max_num_seqs: int = field(default=256, metadata=_flag("most sequences running at once"))
+    kv_cache_memory: Optional[str] = field(default=None, metadata=_flag(
+        "bytes for the KV cache, e.g. '2GiB' (default: 2GiB on CPU, 90%% of free memory on CUDA)"))
+    num_kv_blocks: Optional[int] = field(default=None, metadata=_flag(
+        "number of KV blocks; overrides --kv-cache-memory"))
+    load_format: str = field(default="auto", metadata=_flag(
+        "auto/safetensors: the folder's weights; dummy: random weights from config.json alone",
+        choices=("auto", "safetensors", "dummy")))
+    enable_chunked_prefill: bool = field(default=True, metadata=_flag(
+        "split long prompts over several steps so running requests keep decoding"))
+    prefill_chunk_size: Optional[int] = field(default=None, metadata=_flag(
+        "largest prefill chunk of one prompt per step (default: the whole token budget)"))
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive integer, got {v!r}")
+
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "prefill_chunk_size"):
+            positive(name)
+        positive("max_num_seqs", allow_none=False)
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size (--block-size) must be an integer in [1, 256], got {self.block_size!r}")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+        from pagellm.model.loader import DTYPE_CHOICES, LOAD_FORMATS
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format (--load-format) must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+
+    # ----------------------------------------------------------------- CLI
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            meta = dict(f.metadata)
+            names = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.pop("help", None), **meta}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "kv_cache_memory":
+                kwargs["type"] = str
+            elif "int" in str(f.type):
+                kwargs["type"] = int
+            else:
+                kwargs["type"] = str
+            group.add_argument(*names, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """Build from keyword arguments, naming unknown ones (a typo must not pass silently)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**kwargs)

@@ -1,0 +1,177 @@
+"""Physical KV blocks: reference counts and an O(1) LRU free queue.
+
+Plain Python, no torch: this layer only does bookkeeping. The tensors that hold
+the K/V values live in :mod:`pagellm.worker.cache_engine`, indexed by block id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Optional
+
+
+class KVBlock:
+    """One block of ``block_size`` token slots in the pool.
+
+    ``prev_free``/``next_free`` thread the block through the free queue so that
+    removing a block from the middle of the queue (a cache hit on a freed block)
+    is O(1).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Prefix hash of a full block (prefix caching); None for a block still filling.
+        self.block_hash: Optional[int] = None
+        self.prev_free: Optional[KVBlock] = None
+        self.next_free: Optional[KVBlock] = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently freed first (LRU order).
+
+    Blocks are taken from the head and returned to the tail, so the block that
+    has been free the longest is reused (evicted) first.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        # Sentinels keep every insert/remove branch-free.
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not on the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def contains(self, block: KVBlock) -> bool:
+        return block.prev_free is not None
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free
+
+
+class BlockPool:
+    """Owns every physical block: allocation, ref counts and the free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # prefix hash -> block holding that full block's K/V (in use or free-but-cached).
+        self.cached_blocks: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks off the free queue (evicting cached contents) with ref count 1."""
+        if n > self.free_queue.num_free:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, block: KVBlock) -> None:
+        """Take one more reference on ``block`` (a cache hit or a fork)."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free queue's tail.
+
+        Callers pass a sequence's blocks tail first, so its last blocks are evicted
+        before its (possibly shared) prefix.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Record that a full ``block`` holds the K/V for ``block_hash``."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached_blocks:  # an identical block exists already; keep the first
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+
+    def lookup(self, block_hash: int) -> Optional[KVBlock]:
+        return self.cached_blocks.get(block_hash)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is in use."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
+
+    def assert_consistent(self) -> None:
+        free_ids = [b.block_id for b in self.free_queue]
+        assert len(free_ids) == self.free_queue.num_free, "free count drifted from the queue"
+        assert len(set(free_ids)) == len(free_ids), "a block is twice on the free queue"
+        for block in self.blocks:
+            on_queue = self.free_queue.contains(block)
+            assert (block.ref_cnt == 0) == on_queue, f"{block}: ref count and free queue disagree"
+            assert block.ref_cnt >= 0
+        for h, block in self.cached_blocks.items():
+            assert block.block_hash == h, f"{block} is cached under a hash it does not carry"

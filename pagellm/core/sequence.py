@@ -1,0 +1,136 @@
+"""Requests and their sequences, and the status machine they move through."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from pagellm.outputs import RequestMetrics
+
+if TYPE_CHECKING:  # core stays importable without torch
+    from pagellm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.value if self.is_finished else None
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One generated continuation of a prompt: the unit the scheduler and cache see.
+
+    ``num_computed_tokens`` counts the tokens whose K/V is in the cache; the
+    scheduler hands out ``num_tokens - num_computed_tokens`` more each step (a
+    whole prompt, a prefill chunk, or the one newest token of a decode).
+    """
+
+    def __init__(self, request: "Request", index: int, seed: Optional[int]) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.prompt_token_ids: list[int] = request.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        # Per output token: {token_id: (logprob, rank)} when logprobs were asked for.
+        self.output_logprobs: list[dict[int, tuple[float, int]]] = []
+        self.stop_reason: Optional[int | str] = None
+        # Detokenizer state, owned by the engine layer.
+        self.detok: Any = None
+        self.text = ""
+
+    @property
+    def params(self) -> "SamplingParams":
+        return self.request.sampling_params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request.request_id}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, ``n`` sequences, and what was asked of them."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    arrival_time: float
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics = field(init=False)
+    # Prompt logprobs per prompt position (None for the first), filled during prefill.
+    prompt_logprobs: list[Optional[dict[int, tuple[float, int]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        seed = self.sampling_params.seed
+        n = self.sampling_params.best_of or self.sampling_params.n
+        # Each child gets its own seed derived from the request's, so siblings differ.
+        self.seqs = [
+            Sequence(self, i, None if seed is None else (seed if i == 0 else seed * 1_000_003 + i))
+            for i in range(n)
+        ]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None

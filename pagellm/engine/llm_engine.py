@@ -1,0 +1,329 @@
+"""LLMEngine: add_request / step / abort_request, one pass down the data path per step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from pagellm.config import EngineArgs, parse_memory
+from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from pagellm.core.sequence import Request, Sequence, SequenceStatus
+from pagellm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.model import loader
+from pagellm.model.llama import head_dim_of, sliding_window_of
+from pagellm.model.registry import model_class_for
+from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        if args.model is None:
+            from pagellm.model.default_model import default_model_path
+
+            folder = default_model_path()
+            logger.info("no model given: using the embedded default at %s", folder)
+        else:
+            folder = loader.check_model_folder(args.model)
+        self.model_path = folder
+        self.model_config = config = loader.load_config(folder)
+        model_class_for(getattr(config, "architectures", None))  # fail fast, before any heavy loading
+        self.device = loader.resolve_device(args.device)
+        self.dtype = loader.resolve_dtype(args.dtype, folder, self.device)
+        self.max_model_len = self._resolve_max_model_len(config)
+        torch.manual_seed(args.seed)
+
+        self.tokenizer = self._load_tokenizer(args.tokenizer or str(folder))
+        self.model = loader.load_model(folder, config, self.dtype, self.device, args.load_format, self.max_model_len)
+        self.vocab_size = config.vocab_size
+
+        num_layers = config.num_hidden_layers
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = head_dim_of(config)
+        block_bytes = bytes_per_block(num_layers, args.block_size, num_kv_heads, head_dim, self.dtype)
+        num_blocks = self._resolve_num_blocks(block_bytes)
+        self.block_size = args.block_size
+        needed = cdiv(self.max_model_len, args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * args.block_size} tokens), but one sequence "
+                f"of max_model_len={self.max_model_len} needs {needed} blocks: raise --kv-cache-memory or "
+                f"--num-kv-blocks, or lower --max-model-len"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
+            str(self.dtype).replace("torch.", ""), self.max_model_len, num_blocks / needed,
+        )
+        self.cache_engine = CacheEngine(
+            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device
+        )
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size)
+        chunked = args.enable_chunked_prefill
+        budget = args.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+        )
+        if not chunked and budget < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({self.max_model_len}): without "
+                "chunked prefill a long prompt could never be scheduled; raise --max-num-batched-tokens, lower "
+                "--max-model-len or turn on --enable-chunked-prefill"
+            )
+        self.eos_token_ids = self._eos_token_ids(folder, config)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=chunked,
+                prefill_chunk_size=args.prefill_chunk_size,
+            ),
+            self.kv_cache_manager,
+            eos_token_ids=self.eos_token_ids,
+        )
+        sampler = Sampler(sorted(self.eos_token_ids), self.device, args.seed)
+        self.model_runner = ModelRunner(
+            self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config)
+        )
+        self.requests: dict[str, Request] = {}
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # ------------------------------------------------------------ start-up
+    def _resolve_max_model_len(self, config: Any) -> int:
+        limit = getattr(config, "max_position_embeddings", None) or 2048
+        asked = self.args.max_model_len
+        if asked is None:
+            return limit
+        if asked > limit:
+            raise ValueError(
+                f"max_model_len={asked} is larger than the model's max_position_embeddings={limit}: "
+                f"use --max-model-len {limit} or less"
+            )
+        return asked
+
+    def _resolve_num_blocks(self, block_bytes: int) -> int:
+        if self.args.num_kv_blocks is not None:
+            return self.args.num_kv_blocks
+        if self.args.kv_cache_memory is not None:
+            budget = parse_memory(self.args.kv_cache_memory)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.9)
+        else:
+            budget = DEFAULT_CPU_KV_MEMORY
+        return budget // block_bytes
+
+    @staticmethod
+    def _load_tokenizer(path: str) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # transformers raises many types; all mean the same to a user
+            raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+    def _eos_token_ids(self, folder: Path, config: Any) -> set[int]:
+        ids: set[int] = set()
+        gen_path = folder / "generation_config.json"
+        sources: list[Any] = [getattr(config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        if gen_path.is_file():
+            import json
+
+            sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        for s in sources:
+            if isinstance(s, int):
+                ids.add(s)
+            elif isinstance(s, (list, tuple)):
+                ids.update(int(t) for t in s)
+        return ids
+
+    # ------------------------------------------------------------- requests
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], chat_template: Optional[str] = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this tokenizer has no chat template: pass chat_template=... or use generate()")
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs a 'prompt' (text) or 'prompt_token_ids' (list of ints) key")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty: give at least one token id")
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}) for this model; got {bad[:5]}"
+                )
+            return None, ids
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len} (prompt plus at "
+                "least one new token must fit): shorten the prompt or raise --max-model-len"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+        )
+        for seq in request.seqs:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort in any state; every block the request held is returned at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                self.scheduler.abort_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that made progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                # Cannot happen while one max_model_len sequence fits the cache; guard against a silent hang.
+                raise RuntimeError("scheduler made no progress with requests pending (internal error)")
+            self.model_runner.sampler.forget(sched.finished_seq_ids)
+            return []
+        result = self.model_runner.execute(sched)
+        touched = self.scheduler.update(sched, result)
+        progressed: dict[str, Request] = {}
+        for seq in touched:
+            self._detokenize(seq)
+            progressed[seq.request.request_id] = seq.request
+        outputs = []
+        for rid, request in progressed.items():
+            outputs.append(self._make_output(request))
+            if request.is_finished:
+                self.requests.pop(rid, None)
+        return outputs
+
+    def _detokenize(self, seq: Sequence) -> None:
+        params = seq.params
+        if not params.detokenize:
+            return
+        last = seq.output_token_ids[-1]
+        ended_by_token = seq.status is SequenceStatus.FINISHED_STOPPED
+        if ended_by_token and not params.include_stop_str_in_output:
+            return  # the EOS or stop token adds no text
+        delta = seq.detok.add(last)
+        if not delta:
+            return
+        seq.text += delta
+        if params.stop_strings and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
+            hit = find_stop_string(seq.text, len(delta), params.stop_strings)
+            if hit is not None:
+                stop, idx = hit
+                seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+                seq.stop_reason = stop
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+
+    # --------------------------------------------------------------- outputs
+    def _logprobs(self, entries: list[Optional[TokenLogprobs]]) -> list[Optional[dict[int, Logprob]]]:
+        decode = self.tokenizer.decode
+        return [
+            None if e is None else {t: Logprob(lp, rank, decode([t])) for t, (lp, rank) in e.items()}
+            for e in entries
+        ]
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        params = request.sampling_params
+        seqs = request.seqs
+        if params.best_of and params.best_of > params.n and request.is_finished:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        completions = []
+        for i, seq in enumerate(seqs):
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=self._logprobs(seq.output_logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        m = request.metrics
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=self._logprobs(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
+            outputs=completions,
+            finished=request.is_finished,
+            metrics=RequestMetrics(**vars(m)),
+        )

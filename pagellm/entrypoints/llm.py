@@ -1,0 +1,97 @@
+"""The offline ``LLM`` class: batch generation as vLLM users know it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any, Optional, Union
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """``LLM(model=None, **engine_args)``: with no model, the embedded tiny default."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Seq[PromptType]],
+        sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many; outputs come back in input order.
+
+        A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[Message], list[list[Message]]],
+        sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # a bad prompt queues nothing of its batch
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in ids:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(added)  # interrupted: free every block of this batch
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in ids]

@@ -1,0 +1,127 @@
+"""The embedded default: a tiny random-weight Llama with a locally trained tokenizer.
+
+Nothing can be downloaded from a model hub here, so ``LLM()`` with no model
+builds this one on first use (deterministically: same files on every machine)
+and caches it under ``$PAGELLM_CACHE_DIR`` (default ``~/.cache/pagellm``).
+The same builders make the tiny checkpoints of the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_NAME = "pagellm-tiny-llama-v1"
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# A small English corpus for the tokenizer: enough merges that words become a few tokens.
+_CORPUS = """
+Large language models generate text one token at a time. A server that reserves a contiguous
+key value cache for the longest possible sequence wastes most of its memory, because most
+requests are short. Paged attention stores the cache in fixed size blocks, like pages of
+virtual memory in an operating system, and each sequence keeps a block table that maps its
+logical blocks to physical ones. Blocks are allocated on demand as the sequence grows, shared
+between requests with a common prefix, and copied only when a shared block is written.
+The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
+Once upon a time there was a small engine that served many users on a laptop computer.
+The quick brown fox jumps over the lazy dog. Hello, world! How are you today? I am fine, thanks.
+A continuous batching scheduler admits new requests at every step and retires finished ones,
+so the batch never waits for its slowest member. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+The user asked a question and the assistant answered it politely and concisely.
+"""
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
+    """Train a byte-level BPE tokenizer on the embedded corpus and save it to ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def build_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, **config_overrides: Any) -> Path:
+    """Save a random-weight ``transformers`` model plus the embedded tokenizer into ``folder``."""
+    import torch
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }
+    config_cls, model_cls = classes[architecture]
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    settings: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    settings.update(config_overrides)
+    config = config_cls(**settings)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm"))
+
+
+def default_model_path() -> Path:
+    """The embedded default's folder, built on first use."""
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a crash or a concurrent build never leaves half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_MODEL_NAME + ".", dir=target.parent))
+    try:
+        build_checkpoint(tmp, "llama", seed=0)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,174 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Differences between the three are config switches: Qwen2 has biases on q/k/v,
+Mistral may use a sliding window, any of them may tie the LM head to the embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, kv_heads, head_dim)
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any) -> Optional[int]:
+    """The attention window in tokens, or None for full attention."""
+    if getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None) or None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary = rotary
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        # Qwen2 always has q/k/v biases and none on o_proj; Llama/Mistral follow attention_bias.
+        is_qwen2 = getattr(config, "model_type", "") == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; ``forward`` takes one flat batch of tokens."""
+
+    # HF checkpoint name -> (our fused parameter, shard index) for fused projections.
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, max_position: int) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
+        return self.lm_head(hidden).float()
+
+    # ---------------------------------------------------------------- weights
+    def checkpoint_names(self) -> dict[str, tuple[str, int]]:
+        """Every weight name a checkpoint must provide -> (our parameter, shard index or -1)."""
+        names: dict[str, tuple[str, int]] = {}
+        for name, _ in self.named_parameters():
+            fused = name.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                for hf, (ours, shard) in self.stacked_params.items():
+                    if ours == fused:
+                        names["model." + name.replace(fused, hf)] = (name, shard)
+            elif name.startswith("lm_head"):
+                names[name] = (name, -1)
+            else:
+                names["model." + name] = (name, -1)
+        if self.tie_word_embeddings:
+            names.pop("lm_head.weight", None)
+        return names
+
+    def shard_slice(self, param_name: str, shard: int) -> slice:
+        """Rows of fused parameter ``param_name`` that shard ``shard`` fills."""
+        if "qkv_proj" in param_name:
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            size = self.layers[0].mlp.intermediate_size
+            sizes = [size, size]
+        start = sum(sizes[:shard])
+        return slice(start, start + sizes[shard])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in, checking names and shapes; raises ValueError on a mismatch."""
+        expected = self.checkpoint_names()
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # older checkpoints store the rotary table; we compute it
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in expected:
+                raise ValueError(f"checkpoint has a weight {name!r} that {type(self).__name__} does not expect")
+            ours, shard = expected[name]
+            target = params[ours].data
+            if shard >= 0:
+                target = target[self.shard_slice(ours, shard)]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
+                    f"{tuple(target.shape)}: the checkpoint does not match its config.json"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")

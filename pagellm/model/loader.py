@@ -1,0 +1,140 @@
+"""Hugging Face folder -> config + model with weights (safetensors, single or sharded), or dummy weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.model.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but PyTorch sees no CUDA device; use --device cpu or auto")
+    return dev
+
+
+@lru_cache(maxsize=1)
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def check_model_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"model folder {str(folder)!r} does not exist: pass a local Hugging Face model folder "
+            "(config.json + *.safetensors); pagellm does not download from a hub"
+        )
+    if not folder.is_dir():
+        raise NotADirectoryError(f"model path {str(folder)!r} is a file; pass the folder that holds config.json")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json: it is not a Hugging Face model folder")
+    return folder
+
+
+def load_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from e
+
+
+def checkpoint_dtype(folder: Path) -> str | None:
+    """The dtype the checkpoint was saved in, as written in config.json."""
+    raw = json.loads((folder / "config.json").read_text())
+    return raw.get("dtype") or raw.get("torch_dtype")
+
+
+def resolve_dtype(dtype: str, folder: Path | None, device: torch.device) -> torch.dtype:
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return DTYPES[dtype]
+    saved = checkpoint_dtype(folder) if folder is not None else None
+    resolved = DTYPES.get(str(saved), torch.float32)
+    if device.type == "cpu" and resolved == torch.bfloat16 and not cpu_has_bf16():
+        logger.info("this CPU has no native bfloat16: computing in float32")
+        resolved = torch.float32
+    return resolved
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} names shard files that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no *.safetensors weights (only safetensors checkpoints are supported; "
+            "use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    folder: Path, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int
+) -> nn.Module:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    cls = model_class_for(getattr(config, "architectures", None))
+    with torch.device(device):
+        model = cls(config, max_position=max_position)
+    # Parameters only: the rotary tables (buffers) stay float32 and are cast per use.
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    if load_format == "dummy":
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    continue
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
+    else:
+        with torch.no_grad():
+            model.load_weights(iterate_weights(folder))
+    model.eval()
+    return model

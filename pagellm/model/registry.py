@@ -1,0 +1,24 @@
+"""Architecture name (``config.architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagellm.model.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class_for(architectures: list[str] | None) -> type[nn.Module]:
+    """The class that implements the first supported name; ValueError listing the supported ones."""
+    for arch in architectures or []:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture {architectures or '(none given in config.json)'}; "
+        f"pagellm supports: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

@@ -1,0 +1,124 @@
+"""SamplingParams: how to pick the next tokens of one request, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+# Below this, temperature means greedy (argmax), as in vLLM.
+_GREEDY_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings with vLLM's names and meanings.
+
+    Invalid values raise ``ValueError`` naming the field, the value and the allowed range.
+    """
+
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    detokenize: bool = True
+    # Filled in by validation: the normalised forms the engine uses.
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.is_greedy:  # other filters cannot change an argmax
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_string_len(self) -> int:
+        return max((len(s) for s in self.stop_strings), default=0)
+
+    def clone(self, **changes: object) -> "SamplingParams":
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+        fields.update(changes)
+        return SamplingParams(**fields)  # type: ignore[arg-type]
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", self.best_of, f"an integer >= n ({self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, v, "a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "a number in (0, 10] (1 disables it)")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", self.temperature, "a number in [0, 100] (0 is greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "a number in (0, 1] (1 disables it)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an integer >= 1, or 0 or -1 to disable it")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "a number in [0, 1] (0 disables it)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", self.seed, "an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to max_model_len)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= 20):
+                raise bad(name, v, "an integer in [0, 20] or None")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids
+            ):
+                raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(k) and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")

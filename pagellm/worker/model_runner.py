@@ -1,0 +1,106 @@
+"""SchedulerOutput -> one flat batch -> model -> sampled tokens (and prompt logprobs)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from pagellm.model.attention import AttentionMetadata, PrefillSpan
+from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.sampler import Sampler, top_logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        cache_engine: CacheEngine,
+        sampler: Sampler,
+        device: torch.device,
+        sliding_window: Optional[int] = None,
+    ) -> None:
+        self.model = model
+        self.cache_engine = cache_engine
+        self.sampler = sampler
+        self.device = device
+        self.block_size = cache_engine.block_size
+        self.sliding_window = sliding_window
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(sched.finished_seq_ids)
+        result = ModelRunnerOutput()
+        if sched.is_empty:
+            return result
+        bs = self.block_size
+        # Decodes first: they form one contiguous run attended to in a single batched call.
+        items = sorted(sched.scheduled, key=lambda it: it.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []  # flat index of each sampled sequence's last token
+        sample_items: list[ScheduledSeq] = []
+        lp_rows: list[int] = []  # flat indices whose logits score a prompt token
+        lp_targets: list[int] = []
+        lp_owner: list[tuple[ScheduledSeq, int]] = []
+        for it in items:
+            seq, start, n = it.seq, it.start, it.num_new_tokens
+            q_start = len(input_ids)
+            input_ids.extend(seq.token_slice(start, start + n))
+            pos = range(start, start + n)
+            positions.extend(pos)
+            table = it.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table)))
+            if it.sample:
+                sample_rows.append(q_start + n - 1)
+                sample_items.append(it)
+            if it.prompt_logprobs_range is not None:
+                lo, hi = it.prompt_logprobs_range
+                lp_rows.extend(q_start + p - start for p in range(lo, hi))
+                lp_targets.extend(seq.prompt_token_ids[p + 1] for p in range(lo, hi))
+                lp_owner.append((it, hi - lo))
+
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills, sliding_window=self.sliding_window)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            # Pad with block 0: padded positions are masked by the context length.
+            meta.num_decode_tokens = len(decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._tensor(decode_lens)
+
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
+
+        # The LM head runs only on the rows that are sampled or scored.
+        rows = sample_rows + lp_rows
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        if sample_items:
+            seqs = [it.seq for it in sample_items]
+            for it, res in zip(sample_items, self.sampler(logits[: len(sample_items)], seqs)):
+                result.samples[it.seq.seq_id] = res
+        if lp_rows:
+            lp = torch.log_softmax(logits[len(sample_items):], dim=-1)
+            num = max(it.seq.params.prompt_logprobs or 0 for it, _ in lp_owner)
+            entries = top_logprobs(lp, num, self._tensor(lp_targets))
+            offset = 0
+            for it, count in lp_owner:
+                n_i = it.seq.params.prompt_logprobs or 0
+                chunk = entries[offset : offset + count]
+                targets = lp_targets[offset : offset + count]
+                result.prompt_logprobs[it.seq.seq_id] = [
+                    {t: v for t, v in e.items() if v[1] <= n_i or t == tgt} for e, tgt in zip(chunk, targets)
+                ]
+                offset += count
+        return result

@@ -1,0 +1,162 @@
+"""Logits processors and sampling, vectorised over the sequences sampled in a step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+import torch
+
+from pagellm.core.scheduler import SampleResult, TokenLogprobs
+from pagellm.core.sequence import Sequence
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, num: int, chosen: torch.Tensor
+) -> list[TokenLogprobs]:
+    """Per row: the ``num`` most likely tokens plus the chosen one, each with (logprob, rank).
+
+    logprobs: (rows, vocab); chosen: (rows,) token ids.
+    """
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # (rows, 1)
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    out: list[TokenLogprobs] = []
+    if num > 0:
+        vals, ids = logprobs.topk(num, dim=1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+    for r, (tok, lp, rank) in enumerate(zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist())):
+        entry: TokenLogprobs = {}
+        if num > 0:
+            for k, (t, v) in enumerate(zip(ids_l[r], vals_l[r])):
+                entry[t] = (v, k + 1)
+        entry[tok] = (lp, rank)
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    """Turns the last-position logits of each sampled sequence into its next token."""
+
+    def __init__(self, eos_token_ids: Seq[int], device: torch.device, seed: int) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
+        self._seeded: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_ids: Seq[int]) -> None:
+        for sid in seq_ids:
+            self._seeded.pop(sid, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """logits: (num_seqs, vocab) float32, one row per sequence in ``seqs``."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._process(logits.clone(), seqs)
+        params = [s.params for s in seqs]
+        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, seqs)
+            chosen = torch.where(greedy, chosen, sampled)
+        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        tokens = chosen.tolist()
+        results = [SampleResult(t, lp) for t, lp in zip(tokens, chosen_lp)]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            num = max(params[i].logprobs or 0 for i in want)
+            rows = torch.tensor(want, device=logits.device)
+            tops = top_logprobs(raw_logprobs[rows], num, chosen[rows])
+            for i, entry in zip(want, tops):
+                n_i = params[i].logprobs or 0
+                keep = {t: v for t, v in entry.items() if v[1] <= n_i or t == tokens[i]}
+                results[i].top_logprobs = keep
+        return results
+
+    # ------------------------------------------------------------ processors
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if 0 <= t < vocab], dtype=torch.long)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab])
+                logits[row, ids.to(logits.device)] += vals.to(logits.device)
+            if seq.num_output_tokens < p.min_tokens:
+                banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < vocab]
+                if banned:
+                    logits[row, banned] = float("-inf")
+        self._apply_penalties(logits, seqs)
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [
+            i for i, s in enumerate(seqs)
+            if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+        ]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        dev = logits.device
+        for i in rows:
+            p = seqs[i].params
+            out_ids = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=dev)
+            counts = torch.zeros(vocab, device=dev).index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float))
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                # Applies to prompt and output tokens alike (as in vLLM and transformers).
+                seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                seen[torch.tensor(seqs[i].prompt_token_ids, dtype=torch.long, device=dev)] = True
+                seen |= counts > 0
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalised, row))
+            row -= p.frequency_penalty * counts
+            row -= p.presence_penalty * (counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev).unsqueeze(1)
+        logits = logits / temps
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(-1)
+            threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded sequences draw q
+        # from their own generator, so their tokens never depend on batch companions.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=dev)
+            q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.seed is not None:
+                q[i].exponential_(generator=self._generator_for(s))
+        return (probs / q).argmax(dim=-1)
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        gen = self._seeded.get(seq.seq_id)
+        if gen is None:
+            assert seq.seed is not None
+            gen = torch.Generator(device=self.device).manual_seed(seq.seed)
+            self._seeded[seq.seq_id] = gen
+        return gen
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    mask = ranks >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    probs = sorted_logits.softmax(-1)
+    cum = probs.cumsum(-1)
+    # Drop a token when the tokens before it already reach top_p; the first always stays.
+    drop = (cum - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+

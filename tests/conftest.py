@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random checkpoints saved with transformers, loaded through pagellm's real loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.model.default_model import build_checkpoint
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# name -> (architecture, config overrides). Larger init std makes random logits peaked,
+# so greedy choices are far from ties and parity checks are meaningful.
+CHECKPOINTS = {
+    "llama": ("llama", dict(initializer_range=0.2)),
+    "llama-gqa-rope": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.2,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+    ),
+    "qwen2": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.2)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=4096, initializer_range=0.2)),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build_checkpoint(root / name, arch, seed=0, **cfg) for name, (arch, cfg) in CHECKPOINTS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_path(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The embedded default model is built once per session into a private folder.
+    os.environ.setdefault("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("pagellm-cache")))
