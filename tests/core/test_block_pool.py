@@ -1,0 +1,80 @@
+"""Block pool: exact block ids, ref counts and LRU free-queue order (the vLLM habit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.core.block_pool import BlockPool
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.free_queue]
+
+
+def test_allocates_lowest_ids_first_and_counts():
+    pool = BlockPool(6)
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1]
+    assert all(b.ref_cnt == 1 for b in a)
+    assert pool.num_free_blocks == 4 and pool.num_used_blocks == 2
+    assert free_ids(pool) == [2, 3, 4, 5]
+    pool.assert_consistent()
+
+
+def test_freed_blocks_join_the_tail_so_least_recently_freed_is_reused_first():
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    pool.free([blocks[2]])
+    pool.free([blocks[0]])
+    assert free_ids(pool) == [2, 0]
+    (again,) = pool.allocate(1)
+    assert again.block_id == 2  # freed longest ago
+    pool.free(reversed([blocks[1], blocks[3]]))  # a sequence's tail goes first
+    assert free_ids(pool) == [0, 3, 1]
+    pool.assert_consistent()
+
+
+def test_shared_block_is_freed_only_when_last_reference_drops():
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.touch(b)
+    assert b.ref_cnt == 2
+    pool.free([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.free([b])
+    assert b.ref_cnt == 0 and free_ids(pool) == [1, 2, 0]
+    pool.assert_consistent()
+
+
+def test_touch_takes_a_free_cached_block_off_the_middle_of_the_queue():
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    pool.free(blocks)
+    pool.touch(blocks[1])
+    assert free_ids(pool) == [0, 2]
+    assert blocks[1].ref_cnt == 1
+    pool.assert_consistent()
+
+
+def test_over_allocation_and_double_free_raise():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="only 2 free"):
+        pool.allocate(3)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([b])
+    assert pool.num_free_blocks == 2
+    pool.assert_consistent()
+
+
+def test_cached_hash_is_dropped_when_the_block_is_reused():
+    pool = BlockPool(1)
+    (b,) = pool.allocate(1)
+    pool.cache_block(b, 1234)
+    assert pool.lookup(1234) is b
+    pool.free([b])
+    assert pool.lookup(1234) is b  # freed but still cached until evicted
+    pool.allocate(1)
+    assert pool.lookup(1234) is None and b.block_hash is None
+    pool.assert_consistent()

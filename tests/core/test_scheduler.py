@@ -1,0 +1,183 @@
+"""Scheduler with a fake model (deterministic tokens) and a tiny pool that forces preemption."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import ModelRunnerOutput, SampleResult, Scheduler, SchedulerConfig
+from pagellm.core.sequence import Request, SequenceStatus
+from pagellm.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=64, chunked=True):
+    cfg = SchedulerConfig(budget, max_seqs, max_len, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), eos_token_ids=[0], clock=FakeClock())
+
+
+def make_request(prompt_len, max_tokens=4, **kw):
+    return Request(
+        f"req{next(_ids)}", None, [5] * prompt_len,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), arrival_time=0.0,
+    )
+
+
+def fake_step(sched: Scheduler):
+    """One step with a fake model whose next token is the position (never EOS)."""
+    out = sched.schedule()
+    res = ModelRunnerOutput()
+    for item in out.scheduled:
+        if item.sample:
+            res.samples[item.seq.seq_id] = SampleResult(token_id=1 + item.seq.num_tokens % 50, logprob=-1.0)
+    sched.update(out, res)
+    sched.kv_cache.assert_consistent()
+    return out
+
+
+def run_to_end(sched: Scheduler, limit=1000):
+    outs = []
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return outs
+        outs.append(fake_step(sched))
+    raise AssertionError("scheduler did not finish: loop or deadlock")
+
+
+def test_running_first_then_waiting_and_mixed_prefill_decode():
+    sched = make_scheduler(budget=10)
+    a = make_request(6)
+    sched.add_request(a)
+    first = fake_step(sched)
+    assert [(s.seq.request.request_id, s.num_new_tokens) for s in first.scheduled] == [(a.request_id, 6)]
+    b = make_request(20)
+    sched.add_request(b)
+    second = fake_step(sched)
+    # a decodes (1 token) first, then b's prefill takes the remaining 9 of the budget.
+    assert [(s.seq.request.request_id, s.num_new_tokens) for s in second.scheduled] == [
+        (a.request_id, 1), (b.request_id, 9)
+    ]
+    assert second.num_batched_tokens == 10
+    assert not second.scheduled[1].sample  # a prefill chunk that does not reach the end samples nothing
+
+
+def test_token_budget_and_max_num_seqs_hold_every_step():
+    sched = make_scheduler(budget=16, max_seqs=3, num_blocks=200)
+    for n in (3, 30, 7, 12, 1, 9):
+        sched.add_request(make_request(n, max_tokens=5))
+    for out in run_to_end(sched):
+        assert out.num_batched_tokens <= 16
+        assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
+        assert len(sched.running) <= 3 and len(out.scheduled) <= 3
+    assert sched.kv_cache.num_free_blocks == 200
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(budget=10, chunked=False)
+    a, b = make_request(4), make_request(8)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = fake_step(sched)
+    assert [s.seq.request.request_id for s in out.scheduled] == [a.request_id]  # 4 + 8 > 10
+
+
+def test_preempts_the_most_recently_admitted_and_recomputes_it():
+    # 6 blocks of 2 tokens; three requests grow until the pool is short.
+    sched = make_scheduler(num_blocks=6, block_size=2, budget=64)
+    reqs = [make_request(3, max_tokens=6) for _ in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    outs = run_to_end(sched)
+    preempted = [s for o in outs for s in o.preempted]
+    assert preempted, "the tiny pool should have forced a preemption"
+    assert preempted[0].request is reqs[2]  # the last admitted goes first
+    assert sched.stats.num_preemptions == len(preempted)
+    assert reqs[2].metrics.num_preemptions >= 1
+    for r in reqs:
+        (seq,) = r.seqs
+        assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.num_output_tokens == 6
+        # The recompute regenerated exactly the same positions (the fake token is the position).
+        assert seq.output_token_ids == [1 + (3 + i) % 50 for i in range(6)]
+    assert sched.kv_cache.num_free_blocks == 6
+
+
+def test_abort_in_every_state_returns_blocks():
+    sched = make_scheduler(budget=8, num_blocks=20)
+    running, chunking, waiting = make_request(2), make_request(20), make_request(3)
+    for r in (running, chunking, waiting):
+        sched.add_request(r)
+    fake_step(sched)
+    fake_step(sched)
+    assert chunking.seqs[0].status is SequenceStatus.RUNNING and chunking.seqs[0].num_computed_tokens < 20
+    for r in (chunking, running, waiting):
+        sched.abort_request(r)
+        sched.kv_cache.assert_consistent()
+    assert all(s.status is SequenceStatus.FINISHED_ABORTED for r in (running, chunking, waiting) for s in r.seqs)
+    assert not sched.has_unfinished() and sched.kv_cache.num_free_blocks == 20
+
+
+def test_stops_at_max_model_len_with_length():
+    sched = make_scheduler(max_len=10)
+    r = make_request(8, max_tokens=100)
+    sched.add_request(r)
+    run_to_end(sched)
+    assert r.seqs[0].num_tokens == 10 and r.seqs[0].status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_first_scheduled_and_first_token_times_use_the_clock():
+    sched = make_scheduler()
+    r = make_request(4)
+    sched.add_request(r)
+    sched.clock.t = 5.0
+    fake_step(sched)
+    assert r.metrics.first_scheduled_time == 5.0 and r.metrics.first_token_time == 5.0
+    sched.clock.t = 9.0
+    run_to_end(sched)
+    assert r.metrics.finished_time == 9.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(1, 2)),
+            st.tuples(st.just("step")),
+            st.tuples(st.just("abort"), st.integers(0, 50)),
+        ),
+        max_size=60,
+    ),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    chunked=st.booleans(),
+)
+def test_random_workloads_keep_invariants_and_always_finish(ops, block_size, chunked):
+    max_len = 48
+    num_blocks = -(-max_len // block_size) + 2  # a tiny pool: barely more than one full sequence
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, budget=48, max_seqs=4,
+                           max_len=max_len, chunked=chunked)
+    live: list[Request] = []
+    for op in ops:
+        if op[0] == "add":
+            r = make_request(op[1], max_tokens=op[2], n=op[3])
+            sched.add_request(r)
+            live.append(r)
+        elif op[0] == "step" and sched.has_unfinished():
+            fake_step(sched)
+        elif op[0] == "abort" and live:
+            sched.abort_request(live[op[1] % len(live)])
+        sched.kv_cache.assert_consistent()
+        assert sum(1 for b in sched.kv_cache.pool.blocks if b.ref_cnt) + sched.kv_cache.num_free_blocks == num_blocks
+    run_to_end(sched, limit=2000)
+    assert all(r.is_finished for r in live)
+    assert sched.kv_cache.num_free_blocks == num_blocks and not sched.kv_cache.block_tables
