@@ -37,6 +37,13 @@ class IncrementalDetokenizer:
             return full_text[len(prefix_text) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end: the text still held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full_text[len(prefix_text) :]
+
 
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> Optional[tuple[str, int]]:
     """The earliest stop string that the last ``new_chars`` characters completed, with its index."""

@@ -280,6 +280,8 @@ class LLMEngine:
         if ended_by_token and not params.include_stop_str_in_output:
             return  # the EOS or stop token adds no text
         delta = seq.detok.add(last)
+        if seq.is_finished:
+            delta += seq.detok.flush()
         if not delta:
             return
         seq.text += delta
