@@ -1,0 +1,40 @@
+"""The `pagellm generate` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pagellm.config import EngineArgs
+from pagellm.entrypoints.cli import build_parser, main
+
+
+def test_generate_prints_completions(llama_path, capsys):
+    rc = main(["generate", "--model", str(llama_path), "--max-seq-len", "64", "--num-kv-blocks", "16",
+               "--temperature", "0", "--max-tokens", "5", "--n", "2", "Hello", "The capital"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("Prompt: ") == 2 and out.count("Completion: ") == 4
+    assert "(5 tokens, finish_reason=length)" in out
+
+
+def test_engine_flags_use_vllm_names_and_aliases():
+    args = build_parser().parse_args([
+        "generate", "--block-size", "8", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+        "--max-seq-len", "100", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "10", "--dtype", "bfloat16",
+        "--seed", "3", "--load-format", "dummy", "--device", "cpu", "--no-enable-chunked-prefill", "x",
+    ])
+    ea = EngineArgs.from_cli_args(args)
+    assert (ea.block_size, ea.max_num_batched_tokens, ea.max_num_seqs, ea.max_model_len) == (8, 64, 4, 100)
+    assert (ea.kv_cache_memory, ea.num_kv_blocks, ea.dtype, ea.seed) == ("1GiB", 10, "bfloat16", 3)
+    assert (ea.load_format, ea.device, ea.enable_chunked_prefill) == ("dummy", "cpu", False)
+
+
+def test_bad_flags_exit_non_zero_with_a_message(llama_path, tmp_path):
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "generate"]
+    r = subprocess.run(cmd + ["--model", str(tmp_path / "missing"), "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = subprocess.run(cmd + ["--model", str(llama_path), "--top-p", "2", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "top_p must be a number in (0, 1]" in r.stderr
+    r = subprocess.run(cmd + ["--dtype", "int4", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -1,0 +1,83 @@
+"""The offline LLM API as a vLLM user drives it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, CompletionOutput, RequestOutput, SamplingParams
+from tests.helpers import assert_all_blocks_free
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    return LLM(str(llama_path), max_model_len=128, num_kv_blocks=64)
+
+
+def test_default_model_is_built_locally_and_generates():
+    llm = LLM()  # the embedded default, every setting at its default
+    engine = llm.llm_engine
+    assert engine.model_path.name == "pagellm-tiny-llama-v1"
+    assert engine.max_model_len == 2048 and engine.block_size == 16
+    (out,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text
+    assert_all_blocks_free(llm)
+
+
+def test_prompt_forms_mixed_and_outputs_in_input_order(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Hello, world")
+    prompts = ["Hello, world", ids, {"prompt": "Hello, world"}, {"prompt_token_ids": ids}, "The quick brown fox"]
+    params = [GREEDY, GREEDY, GREEDY, GREEDY, GREEDY.clone(max_tokens=3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
+    first = outs[0].outputs[0].token_ids
+    assert all(o.outputs[0].token_ids == first for o in outs[:4])
+    assert outs[0].prompt == "Hello, world" and outs[1].prompt is None
+    assert outs[0].prompt_token_ids == ids
+    assert len(outs[4].outputs[0].token_ids) == 3
+    assert_all_blocks_free(llm)
+
+
+def test_request_output_fields_and_metrics(llm):
+    (out,) = llm.generate(["Hello"], GREEDY, use_tqdm=False)
+    c = out.outputs[0]
+    assert isinstance(c, CompletionOutput)
+    assert c.index == 0 and c.finish_reason == "length" and c.stop_reason is None
+    assert c.cumulative_logprob is not None and c.cumulative_logprob < 0
+    assert c.logprobs is None and out.prompt_logprobs is None
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token >= 0 and m.num_preemptions == 0
+
+
+def test_chat_uses_the_chat_template(llm):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    (a,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    ids = llm.get_tokenizer().apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert "<|assistant|>" in ids
+    (b,) = llm.generate([{"prompt": ids}], GREEDY, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    two = llm.chat([conv, [{"role": "user", "content": "Hi"}]], GREEDY, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == a.outputs[0].token_ids
+    with pytest.raises(ValueError, match="messages must be a list"):
+        llm.chat([["not a message"]], GREEDY, use_tqdm=False)
+
+
+def test_progress_bar_is_shown_with_tqdm(llm, capsys):
+    llm.generate(["a", "b", "c"], GREEDY, use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["a"], GREEDY, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_argument_errors_are_clear(llm, llama_path):
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(TypeError, match="unknown engine argument.*max_num_seq"):
+        LLM(str(llama_path), max_num_seq=4)
+    with pytest.raises(ValueError, match=r"block_size \(--block-size\) must be an integer in \[1, 256\]"):
+        LLM(str(llama_path), block_size=512)
+    assert_all_blocks_free(llm)

@@ -1,0 +1,37 @@
+"""EngineArgs and memory sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm.config import EngineArgs, parse_memory
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1e9", 10**9), (4096, 4096), ("8 kib", 8192)],
+)
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "2 GiBs", "-1GiB", 0, True])
+def test_parse_memory_rejects_nonsense(bad):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_memory(bad)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("max_num_seqs", 0, "max_num_seqs"),
+        ("max_model_len", -5, "max_model_len"),
+        ("num_kv_blocks", 1.5, "num_kv_blocks"),
+        ("kv_cache_memory", "huge", "memory size"),
+        ("dtype", "fp8", "dtype"),
+        ("load_format", "pt", "load_format"),
+    ],
+)
+def test_engine_args_validation_names_the_flag(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**{field: value})
