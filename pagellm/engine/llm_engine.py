@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -31,6 +32,30 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's queues and KV cache, for metrics and reports."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_used_blocks: int
+    num_slots: int
+    num_filled_slots: int  # slots holding a computed token's K/V
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def kv_cache_utilization(self) -> float:
+        return self.num_filled_slots / self.num_slots
 
 
 class LLMEngine:
@@ -179,8 +204,11 @@ class LLMEngine:
         """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
+                # Both keys: ids already tokenized, text kept for the output (a server's echo).
+                text = prompt.get("prompt")
+                _, ids = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
+                return (text if isinstance(text, str) else None), ids
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs a 'prompt' (text) or 'prompt_token_ids' (list of ints) key")
@@ -200,7 +228,7 @@ class LLMEngine:
             return None, ids
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def add_request(
+    def make_request(
         self,
         request_id: str,
         prompt: PromptType,
@@ -208,12 +236,15 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        """Validate and build a request without queueing it; raises ValueError on bad input.
+
+        Touches no engine state, so a server can call it while a step runs in another thread.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -230,9 +261,29 @@ class LLMEngine:
         )
         for seq in request.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.requests[request_id] = request
-        self.scheduler.add_request(request)
         return request
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = self.make_request(request_id, prompt, params, arrival_time, priority)
+        self.enqueue(request)
+        return request
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request built by ``make_request``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort in any state; every block the request held is returned at once."""
@@ -241,6 +292,22 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is not None:
                 self.scheduler.abort_request(request)
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_swapped=0,
+            num_blocks=kv.num_blocks,
+            num_used_blocks=kv.num_blocks - kv.num_free_blocks,
+            num_slots=kv.num_blocks * kv.block_size,
+            num_filled_slots=sum(s.num_computed_tokens for s in sched.running),
+            num_preemptions=sched.stats.num_preemptions,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    from pagellm.entrypoints.openai.api_server import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

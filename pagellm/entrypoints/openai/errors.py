@@ -1,0 +1,67 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    503: "service_unavailable",
+    500: "internal_server_error",
+}
+
+
+class APIError(Exception):
+    """Raised by handlers; turned into an OpenAI-shaped JSON error response."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first problem of a pydantic error, phrased for a person, with the field as ``param``."""
+    first = e.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('msg')}; send a JSON object")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unknown field '{loc}': this server does not accept it; remove it", param=loc)
+    if kind == "missing":
+        return APIError(400, f"the field '{loc}' is required", param=loc)
+    if kind == "model_type" and not loc:
+        return APIError(400, "the body must be a JSON object")
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return APIError(400, f"invalid value for '{loc}': {first.get('msg')} (got {shown})", param=loc or None)
+
+
+# SamplingParams errors start with the field's name: use it as `param`.
+def from_value_error(e: ValueError) -> APIError:
+    message = str(e)
+    head = message.split(" ", 1)[0]
+    param = head if head.isidentifier() and head.islower() else None
+    return APIError(400, message, param=param)
