@@ -54,6 +54,12 @@ class EngineMetrics:
         self.e2e = hist("pagellm_e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("pagellm_request_queue_time_seconds", "Arrival to first scheduled")
         self.model_name = model_name
+        # Create every series up front so that /metrics lists them before the first request.
+        for metric in (self.pc_queries, self.pc_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
+                       self.ttft, self.itl, self.e2e, self.queue_time):
+            self._l(metric)
+        for reason in ("stop", "length", "abort"):
+            self._l(self.success, finished_reason=reason)
         self._tokens_seen: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
         self._window: deque[tuple[float, int]] = deque()

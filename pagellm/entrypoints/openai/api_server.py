@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Optional, TypeVar
@@ -233,6 +234,10 @@ def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once shutdown is done, which would make the exit
+    # status 128+N; with these no-op handlers restored under it, a graceful SIGTERM exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     logger.info("listening on http://%s:%d (model %r)", args.host, args.port, name)
     server.run()
     return 0

@@ -1,0 +1,343 @@
+"""The real server on 127.0.0.1, driven with the official `openai` client (and raw HTTP for malformed input)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.server_utils import RemoteServer
+
+API_KEY = "test-key-123"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(llama_path):
+    srv = RemoteServer(llama_path, [
+        "--served-model-name", MODEL, "--max-model-len", "2048", "--num-kv-blocks", "512",
+        "--max-request-body-size", "64KiB",
+    ], api_key=API_KEY)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def wait_idle(server: RemoteServer, timeout: float = 10) -> None:
+    """Until /metrics shows no running or waiting request and the KV cache empty."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (server.metric("pagellm_num_requests_running") == 0
+                and server.metric("pagellm_num_requests_waiting") == 0
+                and server.metric("pagellm_kv_cache_usage_perc") == 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError("server did not go idle: " + httpx.get(server.url + "/metrics", headers=server.headers).text)
+
+
+# ------------------------------------------------------------------- basics
+def test_models_health_version(server, client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(server.url + "/version", headers=server.headers).json()["version"]
+
+
+def test_completion_n2_usage_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, n=2,
+                                  temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 16 and r.usage.total_tokens == r.usage.prompt_tokens + 16
+    assert all(c.finish_reason == "length" for c in r.choices)
+    again = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, n=2,
+                                      temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+def test_completion_batch_of_prompts_and_token_ids(client):
+    tok_ids = client.post("/../tokenize", body={"prompt": "Hello"}, cast_to=object)["tokens"]
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Bye"], max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and {c.index for c in r.choices} == {0, 1}
+    by_ids = client.completions.create(model=MODEL, prompt=tok_ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+def test_completion_logprobs_and_echo_with_prompt_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    echo = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=0, echo=True, logprobs=1)
+    c = echo.choices[0]
+    assert c.text == "Hello world"
+    n_prompt = echo.usage.prompt_tokens
+    assert len(c.logprobs.tokens) == n_prompt and c.logprobs.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in c.logprobs.token_logprobs[1:])
+    assert "".join(c.logprobs.tokens) == "Hello world" and echo.usage.completion_tokens == 0
+    both = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True, logprobs=0,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert both.choices[0].text.startswith("Hello world")
+    assert len(both.choices[0].logprobs.tokens) == n_prompt + 3
+
+
+def test_stop_strings_streamed_and_not(client):
+    base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[10:13]
+    cut = base[: base.index(stop)]
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert streamed == cut  # no part of the stop string ever leaked into the stream
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stream_include_usage_and_n2_indices(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, n=2, stream=True, seed=1,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert {ch.choices[0].index for ch in chunks[:-1]} == {0, 1}
+
+
+def test_chat_basic_logprobs_and_stream(client):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2, n=2, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy twins
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_priority_and_extensions_are_accepted(client):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0.7,
+                                  extra_body={"priority": -5, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                              "min_tokens": 4, "ignore_eos": False, "stop_token_ids": [3],
+                                              "include_stop_str_in_output": False, "skip_special_tokens": True,
+                                              "cache_salt": "tenant-a"},
+                                  user="someone", presence_penalty=0.5, frequency_penalty=0.5,
+                                  logit_bias={"5": 2.0})
+    assert len(r.choices) == 1 and r.usage.completion_tokens == 4
+
+
+def test_tokenize_detokenize(server):
+    h = server.headers
+    t = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=h).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 2048
+    d = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}, headers=h).json()
+    assert d["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=h)
+    assert chat.status_code == 200 and chat.json()["count"] > 2
+
+
+# -------------------------------------------------------------- concurrency
+def test_32_concurrent_streams_equal_their_non_streamed_twins(aclient, server):
+    prompts = [f"Request number {i} says" for i in range(32)]
+
+    async def one(prompt: str, stream: bool) -> str:
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await aclient.completions.create(**kw)).choices[0].text
+        text = ""
+        async for ch in await aclient.completions.create(stream=True, **kw):
+            text += ch.choices[0].text if ch.choices else ""
+        return text
+
+    async def main() -> tuple[list[str], list[str]]:
+        streamed = await asyncio.gather(*(one(p, True) for p in prompts))
+        plain = await asyncio.gather(*(one(p, False) for p in prompts))
+        return streamed, plain
+
+    streamed, plain = asyncio.run(main())
+    assert streamed == plain and all(streamed)
+    wait_idle(server)
+
+
+# -------------------------------------------------------------- disconnects
+def _long_body(stream: bool) -> dict:
+    return {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(server):
+    aborted = server.metric("pagellm_request_success_total", 'finished_reason="abort"')
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=_long_body(True), headers=server.headers) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert server.metric("pagellm_num_requests_running") == 1
+    wait_idle(server)
+    assert server.metric("pagellm_request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
+def test_client_disconnect_while_waiting_for_a_non_streamed_answer_aborts_it(server):
+    aborted = server.metric("pagellm_request_success_total", 'finished_reason="abort"')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=_long_body(False), headers=server.headers, timeout=0.8)
+    wait_idle(server)
+    assert server.metric("pagellm_request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
+def test_metrics_exposes_every_documented_series(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    for name in [
+        "pagellm_num_requests_running", "pagellm_num_requests_waiting", "pagellm_num_requests_swapped",
+        "pagellm_kv_cache_usage_perc", "pagellm_prefix_cache_queries_total", "pagellm_prefix_cache_hits_total",
+        "pagellm_prompt_tokens_total", "pagellm_generation_tokens_total", "pagellm_request_success_total",
+        "pagellm_num_preemptions_total", "pagellm_time_to_first_token_seconds_bucket",
+        "pagellm_inter_token_latency_seconds_bucket", "pagellm_e2e_request_latency_seconds_bucket",
+        "pagellm_request_queue_time_seconds_bucket", "pagellm_kv_cache_utilization", "pagellm_blocks_utilization",
+        "pagellm_pending_requests", "pagellm_generation_throughput",
+    ]:
+        assert f'{name}{{model_name="{MODEL}"' in text or f"{name}{{" in text, name
+    assert server.metric("pagellm_request_success_total", 'finished_reason="length"') >= 1
+    assert server.metric("pagellm_generation_throughput") > 0
+
+
+# --------------------------------------------------------------- bad input
+GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+BAD_INPUTS = [
+    # (name, path, raw body or dict, headers override, status, words the message must contain)
+    ("malformed json", "/v1/completions", b'{"prompt": "Hi",', None, 400, "not valid JSON"),
+    ("not an object", "/v1/completions", b'[1, 2]', None, 400, "JSON object"),
+    ("empty body", "/v1/completions", b"", None, 400, "empty"),
+    ("non utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', None, 400, "UTF-8"),
+    ("wrong type", "/v1/completions", {**GOOD, "max_tokens": "ten"}, None, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {**GOOD, "max_tokens": -1}, None, 400, "max_tokens must be >= 0"),
+    ("n=0", "/v1/completions", {**GOOD, "n": 0}, None, 400, "n must be an integer >= 1"),
+    ("top_p=2", "/v1/completions", {**GOOD, "top_p": 2}, None, 400, "top_p must be a number in (0, 1]"),
+    ("temperature=-1", "/v1/completions", {**GOOD, "temperature": -1}, None, 400, "temperature"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, None, 400, "'prompt' is required"),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-9"}, None, 404, "'gpt-9' does not exist"),
+    ("prompt too long", "/v1/completions", {**GOOD, "prompt": [7] * 2095}, None, 400,
+     "maximum context length is 2048"),
+    ("prompt + max_tokens too long", "/v1/completions", {**GOOD, "prompt": [7] * 1995, "max_tokens": 100},
+     None, 400, "1995 tokens and max_tokens is 100"),
+    ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 99999]}, None, 400, "token ids must be"),
+    ("suffix", "/v1/completions", {**GOOD, "suffix": "x"}, None, 400, "suffix is not supported"),
+    ("unknown field", "/v1/completions", {**GOOD, "frobnicate": 1}, None, 400, "unknown field 'frobnicate'"),
+    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                       "tools": [{"type": "function"}]}, None, 400, "'tools' is not supported"),
+    ("json schema", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                             "response_format": {"type": "json_schema"}}, None, 400,
+     "'response_format' is not supported"),
+    ("image part", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, "'image_url' is not supported"),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]},
+     None, 400, "messages.0.role"),
+    ("no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "messages"),
+    ("missing key", "/v1/completions", GOOD, {}, 401, "missing API key"),
+    ("wrong key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
+    ("oversized body", "/v1/completions", {**GOOD, "prompt": "x" * 70_000}, None, 413, "larger than the limit"),
+    ("unknown route", "/v1/nothing", GOOD, None, 404, "no such route"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_the_right_status_and_a_clear_message(server, case):
+    _, path, body, headers, status, words = case
+    h = server.headers if headers is None else headers
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={**h, "Content-Type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body, headers=h)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    # The server answers a normal request right after, and nothing leaked.
+    ok = httpx.post(server.url + "/v1/completions", json=GOOD, headers=server.headers)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+    wait_idle(server)
+
+
+def test_official_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, top_p=2)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi", max_tokens=3)
+    bad_key = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+
+
+# ------------------------------------------------------- overload, SIGTERM
+def test_full_queue_gets_503_then_sigterm_finishes_cleanly(llama_path):
+    srv = RemoteServer(llama_path, ["--max-model-len", "2048", "--num-kv-blocks", "256", "--max-num-seqs", "1",
+                                    "--max-waiting-requests", "1", "--shutdown-timeout", "3"])
+    try:
+        body = {"prompt": "Go", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        http = httpx.Client(timeout=30)
+        first = http.stream("POST", srv.url + "/v1/completions", json=body)
+        r1 = first.__enter__()
+        lines1 = r1.iter_lines()  # kept: a dropped line iterator would close the connection
+        next(lines1)  # running now
+        second = http.stream("POST", srv.url + "/v1/completions", json=body)
+        r2 = second.__enter__()
+        assert r2.status_code == 200  # waits: max_num_seqs=1
+        third = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+        assert third.status_code == 503 and third.headers["Retry-After"] == "1"
+        assert "waiting queue is full" in third.json()["error"]["message"]
+        # SIGTERM with two requests in flight: exit code 0 after the grace period, nothing left running.
+        t0 = time.time()
+        rc = srv.stop()
+        assert rc == 0 and srv.proc.poll() == 0
+        # It waited out the 3 s grace period for the running request, then aborted the rest.
+        assert 2.5 < time.time() - t0 < 20
+        rests = []
+        for lines, ctx in ((lines1, first), (r2.iter_lines(), second)):
+            try:
+                rests.append(list(lines))
+            except httpx.HTTPError:
+                rests.append([])
+            ctx.__exit__(None, None, None)
+        # The queued one needed the first's 2000 tokens and then its own: it was cut off, not finished.
+        assert "data: [DONE]" not in rests[1]
+        http.close()
+        assert "engine stopped" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_json_chunks_parse(server):
+    """Every SSE line is `data: <json>` or the final `data: [DONE]`."""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+    }) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert json.loads(line[len("data: "):])["object"] == "chat.completion.chunk"
