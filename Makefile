@@ -1,11 +1,11 @@
-# The two commands of the README: `make generate` (main job on the embedded default) and `make test`.
+# The two commands of the README: `make serve` (the server on the embedded default) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test generate clean
+.PHONY: install test serve generate clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest tests
+
+serve: install
+	$(VENV)/bin/pagellm serve $(SERVE_ARGS)
 
 generate: install
 	$(VENV)/bin/pagellm generate "The capital of France is" "Paged attention saves memory because"
