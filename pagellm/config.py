@@ -33,6 +33,26 @@ def parse_memory(value: Union[int, float, str]) -> int:
     return n
 
 
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts from a file: a JSON list of strings, or one prompt per line."""
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--preload-prompts file {path!r} does not exist")
+    text = file.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--preload-prompts file {path!r} is not a valid JSON list: {e}") from e
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"--preload-prompts file {path!r} must hold a JSON list of strings")
+        return prompts
+    return [line for line in text.splitlines() if line.strip()]
+
+
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
     return {"help": help, "aliases": aliases, **kw}
 
@@ -67,6 +87,11 @@ class EngineArgs:
         "split long prompts over several steps so running requests keep decoding"))
     prefill_chunk_size: Optional[int] = field(default=None, metadata=_flag(
         "largest prefill chunk of one prompt per step (default: the whole token budget)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag(
+        "share the KV blocks of common prompt prefixes between requests"))
+    preload_prompts: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
+        "prompts whose KV is computed at start-up and pinned (a JSON list or one prompt per line)",
+        metavar="FILE"))
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -83,6 +108,15 @@ class EngineArgs:
             raise ValueError(f"block_size (--block-size) must be an integer in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if isinstance(self.preload_prompts, str):
+            self.preload_prompts = read_prompt_file(self.preload_prompts)
+        if self.preload_prompts is not None:
+            if not isinstance(self.preload_prompts, list) or not all(
+                isinstance(p, str) and p for p in self.preload_prompts
+            ):
+                raise ValueError("preload_prompts (--preload-prompts) must be a list of non-empty strings")
+            if not self.enable_prefix_caching:
+                raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
         from pagellm.model.loader import DTYPE_CHOICES, LOAD_FORMATS
 
         if self.dtype not in DTYPE_CHOICES:
@@ -103,7 +137,7 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.pop("help", None), **meta}
             if f.type in ("bool", bool):
                 kwargs["action"] = argparse.BooleanOptionalAction
-            elif f.name == "kv_cache_memory":
+            elif f.name in ("kv_cache_memory", "preload_prompts"):
                 kwargs["type"] = str
             elif "int" in str(f.type):
                 kwargs["type"] = int

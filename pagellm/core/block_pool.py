@@ -10,6 +10,14 @@ from collections.abc import Iterable, Iterator
 from typing import Optional
 
 
+BlockKey = tuple  # (parent_hash or None, tuple of token ids, extra keys or None)
+
+
+def hash_block_key(key: BlockKey) -> int:
+    """The chained prefix hash of a full block: its parent's hash, its tokens and extra keys."""
+    return hash(key)
+
+
 class KVBlock:
     """One block of ``block_size`` token slots in the pool.
 
@@ -18,13 +26,16 @@ class KVBlock:
     is O(1).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         # Prefix hash of a full block (prefix caching); None for a block still filling.
         self.block_hash: Optional[int] = None
+        # What the hash was computed from: (parent hash, token ids, extra keys). Compared on every
+        # hit, so a hash collision can never serve another prefix's K/V.
+        self.block_key: Optional[BlockKey] = None
         self.prev_free: Optional[KVBlock] = None
         self.next_free: Optional[KVBlock] = None
 
@@ -138,23 +149,34 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
-        """Record that a full ``block`` holds the K/V for ``block_hash``."""
+    def cache_block(self, block: KVBlock, block_hash: int, key: BlockKey) -> None:
+        """Record that a full ``block`` holds the K/V for ``key`` (whose hash is ``block_hash``)."""
         if block.block_hash is not None:
             return
         if block_hash in self.cached_blocks:  # an identical block exists already; keep the first
             return
         block.block_hash = block_hash
+        block.block_key = key
         self.cached_blocks[block_hash] = block
 
-    def lookup(self, block_hash: int) -> Optional[KVBlock]:
-        return self.cached_blocks.get(block_hash)
+    def lookup(self, block_hash: int, key: BlockKey) -> Optional[KVBlock]:
+        """The cached block for ``key``; None on a miss or on a hash collision."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.block_key != key:
+            return None
+        return block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
+            block.block_key = None
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -162,6 +184,7 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+            block.block_key = None
         self.cached_blocks.clear()
         return True
 
@@ -175,3 +198,4 @@ class BlockPool:
             assert block.ref_cnt >= 0
         for h, block in self.cached_blocks.items():
             assert block.block_hash == h, f"{block} is cached under a hash it does not carry"
+            assert block.block_key is not None and hash_block_key(block.block_key) == h

@@ -1,10 +1,17 @@
-"""Block tables on top of the block pool: blocks are allocated as a sequence grows."""
+"""Block tables on top of the block pool.
+
+Blocks are allocated as a sequence grows, shared through the prefix cache (full
+blocks, found by their chained hash) and through forks (``n > 1``), copied on
+the first write into a shared partial block, and pinned for preloaded prefixes.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
 
-from pagellm.core.block_pool import BlockPool, KVBlock
+from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock, hash_block_key
 from pagellm.core.sequence import Sequence
 
 
@@ -12,15 +19,58 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class KVCacheStats:
+    """A memory report of the KV cache (``LLM.kv_cache_stats()``)."""
+
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    in_use_blocks: int
+    cached_blocks: int  # free, but still holding a reusable prefix
+    pinned_blocks: int
+    logical_tokens: int  # K/V entries the sequences see (shared blocks counted once per holder)
+    physical_slots_used: int  # slots that hold a token's K/V, each physical slot once
+    allocated_slots: int  # slots of the blocks in use
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    peak_in_use_blocks: int
+
+    @property
+    def saved_by_sharing_slots(self) -> int:
+        """Slots that sharing saved: what separate copies would need beyond what is used."""
+        return max(0, self.logical_tokens - self.physical_slots_used)
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Allocated but unused slots, as a fraction of allocated slots."""
+        if not self.allocated_slots:
+            return 0.0
+        return (self.allocated_slots - self.physical_slots_used) / self.allocated_slots
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
 class KVCacheManager:
     """Maps each sequence to its block table and keeps the pool's counts honest."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVBlock]] = {}
+        # How many leading blocks of each sequence are registered in the prefix cache.
+        self._num_hashed: dict[int, int] = {}
+        self.pinned: list[KVBlock] = []
+        # (src, dst) block copies that copy-on-write asked for; the scheduler hands them to the worker.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.peak_used_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -41,27 +91,177 @@ class KVCacheManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.block_tables.get(seq.seq_id, ())]
 
-    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        held = len(self.block_tables.get(seq.seq_id, ()))
-        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - held)
+    # ---------------------------------------------------------- prefix keys
+    def block_key(self, seq: Sequence, index: int) -> tuple[int, BlockKey]:
+        """(hash, key) of the ``index``-th full block of ``seq``, memoised on the sequence."""
+        keys = seq.block_keys
+        bs = self.block_size
+        while len(keys) <= index:
+            i = len(keys)
+            parent = keys[i - 1][0] if i else None
+            # Extra keys (the cache salt) enter the first block, and through the chain all others.
+            key = (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)), seq.request.cache_salt if i == 0 else None)
+            keys.append((hash_block_key(key), key))
+        return keys[index]
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more K/V entries; False (and no change) if the pool is short."""
-        needed = self.num_new_blocks_needed(seq, num_new_tokens)
-        if needed > self.pool.num_free_blocks:
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached blocks for ``seq``'s tokens; no side effects.
+
+        A hit covers at most ``num_tokens - 1`` tokens: the last one is always computed,
+        so there are logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h, key = self.block_key(seq, i)
+            block = self.pool.lookup(h, key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: Optional[list[KVBlock]] = None) -> bool:
+        """Make room for ``num_new_tokens`` more K/V entries of ``seq``.
+
+        ``cached`` (for a sequence without blocks) are prefix-cache hits to adopt first;
+        they advance ``num_computed_tokens``. Returns False, changing nothing, if the pool is short.
+        """
+        table = self.block_tables.get(seq.seq_id)
+        cached = cached or []
+        assert not cached or not table, "prefix hits are only adopted by a sequence without blocks"
+        held = len(table or ()) + len(cached)
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
+        cow_block = self._shared_block_to_write(seq, computed)
+        revived = sum(1 for b in cached if b.ref_cnt == 0)  # free-but-cached hits leave the free queue
+        if needed + (cow_block is not None) + revived > self.pool.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(seq.seq_id, [])
+        if table is None:
+            table = self.block_tables[seq.seq_id] = []
+        for block in cached:
+            self.pool.touch(block)
+        table.extend(cached)
+        if cached:
+            seq.num_computed_tokens = computed
+            self._num_hashed[seq.seq_id] = len(cached)
+        if cow_block is not None:
+            self._copy_on_write(table, computed // self.block_size)
         if needed:
             table.extend(self.pool.allocate(needed))
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return True
+
+    def _shared_block_to_write(self, seq: Sequence, computed: int) -> Optional[KVBlock]:
+        """The partially filled block the next token goes into, if other tables hold it too."""
+        if computed % self.block_size == 0:
+            return None  # the next token starts a fresh block
+        table = self.block_tables.get(seq.seq_id) or []
+        index = computed // self.block_size
+        if index < len(table) and table[index].ref_cnt > 1:
+            return table[index]
+        return None
+
+    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+        old = table[index]
+        (new,) = self.pool.allocate(1)
+        self.pending_copies.append((old.block_id, new.block_id))
+        table[index] = new
+        self.pool.free([old])
+
+    def count_prefix_query(self, seq: Sequence, hit_tokens: int) -> None:
+        """Prefix-cache stats, in tokens; a preempted sequence's recompute is not a query."""
+        self.prefix_cache_queries += seq.num_prompt_tokens
+        self.prefix_cache_hits += hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly filled blocks in the prefix cache (their tokens are final)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(seq.seq_id)
+        if not table:
+            return
+        done = self._num_hashed.get(seq.seq_id, 0)
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        for i in range(done, full):
+            h, key = self.block_key(seq, i)
+            self.pool.cache_block(table[i], h, key)
+        self._num_hashed[seq.seq_id] = max(done, full)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (partial last one included) and its progress."""
+        assert child.seq_id not in self.block_tables
+        table = self.block_tables.get(parent.seq_id, [])
+        for block in table:
+            self.pool.touch(block)
+        self.block_tables[child.seq_id] = list(table)
+        self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
+        child.block_keys = list(parent.block_keys)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> int:
         """Return every block of ``seq``; the tail goes first so a prefix outlives it in the LRU."""
+        self._num_hashed.pop(seq.seq_id, None)
         table = self.block_tables.pop(seq.seq_id, None)
         if not table:
             return 0
         self.pool.free(reversed(table))
         return len(table)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, blocks: list[KVBlock]) -> None:
+        """Hold ``blocks`` (a preloaded prefix) so eviction never takes them."""
+        for block in blocks:
+            self.pool.touch(block)
+            self.pinned.append(block)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+
+    def unpin_all(self) -> int:
+        n = len(self.pinned)
+        self.pool.free(reversed(self.pinned))
+        self.pinned = []
+        return n
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- stats
+    def stats(self, sequences: list[Sequence]) -> KVCacheStats:
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        logical = 0
+        for seq in sequences:
+            table = self.block_tables.get(seq.seq_id)
+            if not table:
+                continue
+            logical += seq.num_computed_tokens
+            for i, block in enumerate(table):
+                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
+                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+        for block in self.pinned:
+            filled[block.block_id] = bs
+            logical += bs
+        used = self.pool.num_used_blocks
+        return KVCacheStats(
+            block_size=bs,
+            total_blocks=self.num_blocks,
+            free_blocks=self.num_free_blocks,
+            in_use_blocks=used,
+            cached_blocks=self.pool.num_cached_free_blocks,
+            pinned_blocks=len({b.block_id for b in self.pinned}),
+            logical_tokens=logical,
+            physical_slots_used=sum(filled.values()),
+            allocated_slots=used * bs,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            peak_in_use_blocks=self.peak_used_blocks,
+        )
 
     def assert_consistent(self) -> None:
         """Check the invariants of ARCHITECTURE.md; raises AssertionError on a violation."""
@@ -70,9 +270,11 @@ class KVCacheManager:
         for table in self.block_tables.values():
             for block in table:
                 holders[block.block_id] += 1
+        for block in self.pinned:
+            holders[block.block_id] += 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
-                f"{block}: ref count {block.ref_cnt} but held by {holders[block.block_id]} block tables"
+                f"{block}: ref count {block.ref_cnt} but held by {holders[block.block_id]} block tables and pins"
             )
         used = sum(1 for b in self.pool.blocks if b.ref_cnt > 0)
         assert used + self.pool.num_free_blocks == self.pool.num_blocks, "free + used != total"

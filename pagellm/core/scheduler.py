@@ -47,6 +47,9 @@ class ScheduledSeq:
     sample: bool
     # Prompt positions in this chunk whose next-token logprob is wanted: [from, to).
     prompt_logprobs_range: Optional[tuple[int, int]] = None
+    # n > 1: children that fork from this sequence once its prompt is done; each samples its
+    # own first token from the same logits.
+    fork_children: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +59,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Sequences finished since the last step: the worker drops their per-sequence state.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) the worker runs before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -101,9 +106,9 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
-        for seq in request.seqs:
-            seq.status = SequenceStatus.WAITING
-            self.waiting.append(seq)
+        # Only the first sequence runs the prompt; its n - 1 siblings fork from it afterwards.
+        request.seqs[0].status = SequenceStatus.WAITING
+        self.waiting.append(request.seqs[0])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -142,20 +147,25 @@ class Scheduler:
             i += 1
 
         # 2. Then waiting ones, FCFS; not in a step that had to preempt (no room to spare).
-        while (
-            not out.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < cfg.max_num_seqs
-        ):
+        while not out.preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            # A first admission brings its unforked siblings along: they need seats too.
+            seats = 1 + (len(seq.request.pending_children) if seq.index == 0 else 0)
+            if len(self.running) + seats > cfg.max_num_seqs:
+                break
+            hits = self.kv_cache.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
+            hit_tokens = len(hits) * self.kv_cache.block_size
+            num_new = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget, chunk_cap)
-            if not self.kv_cache.allocate_slots(seq, num_new):
+            if not self.kv_cache.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.popleft()
+            if not seq.was_admitted:
+                seq.was_admitted = True
+                seq.num_cached_tokens = hit_tokens
+                self.kv_cache.count_prefix_query(seq, hit_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             times = seq.request.metrics
@@ -165,8 +175,15 @@ class Scheduler:
             budget -= num_new
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        out.blocks_to_copy = self.kv_cache.take_pending_copies()
         self.stats.num_steps += 1
         return out
+
+    @staticmethod
+    def _may_use_prefix_cache(seq: Sequence) -> bool:
+        # Prompt logprobs need every prompt position computed: no skipping them via the cache.
+        request = seq.request
+        return not (request.wants_prompt_logprobs and len(request.prompt_logprobs) < seq.num_prompt_tokens)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -180,13 +197,15 @@ class Scheduler:
             hi = min(end, seq.num_prompt_tokens - 1)
             if hi > lo:
                 lp_range = (lo, hi)
+        sample = end == seq.num_tokens
         return ScheduledSeq(
             seq=seq,
             start=start,
             num_new_tokens=num_new,
             block_table=self.kv_cache.block_table(seq),
-            sample=end == seq.num_tokens,
+            sample=sample,
             prompt_logprobs_range=lp_range,
+            fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -216,6 +235,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_full_blocks(seq)
             plps = result.prompt_logprobs.get(seq.seq_id)
             if plps:
                 if not seq.request.prompt_logprobs:
@@ -223,18 +243,30 @@ class Scheduler:
                 seq.request.prompt_logprobs.extend(plps)
             if not item.sample:
                 continue
-            sample = result.samples[seq.seq_id]
-            seq.output_token_ids.append(sample.token_id)
-            seq.cumulative_logprob += sample.logprob
-            if sample.top_logprobs is not None:
-                seq.output_logprobs.append(sample.top_logprobs)
-            times = seq.request.metrics
-            if times.first_token_time is None:
-                now = now or self.clock()
-                times.first_token_time = now
-            self._check_stop(seq, sample.token_id)
-            touched.append(seq)
+            for child in item.fork_children:  # before the parent may finish and free its blocks
+                self._fork(seq, child)
+            for s in (seq, *item.fork_children):
+                sample = result.samples[s.seq_id]
+                s.output_token_ids.append(sample.token_id)
+                s.cumulative_logprob += sample.logprob
+                if sample.top_logprobs is not None:
+                    s.output_logprobs.append(sample.top_logprobs)
+                times = s.request.metrics
+                if times.first_token_time is None:
+                    now = now or self.clock()
+                    times.first_token_time = now
+                self._check_stop(s, sample.token_id)
+                touched.append(s)
         return touched
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        request = parent.request
+        request.pending_children.remove(child)
+        self.kv_cache.fork(parent, child)
+        child.was_admitted = True
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
@@ -256,7 +288,9 @@ class Scheduler:
         """End ``seq`` in any state and return its blocks at once."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq in seq.request.pending_children:
+            seq.request.pending_children.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             try:

@@ -36,6 +36,14 @@ class SequenceStatus(enum.Enum):
 _seq_counter = itertools.count()
 
 
+def child_seed(seed: int, index: int) -> int:
+    """The sampling seed of child ``index`` of a request seeded with ``seed``: siblings differ.
+
+    A single-sample request with this seed reproduces that child's tokens.
+    """
+    return seed if index == 0 else (seed * 1_000_003 + index) % 2**63
+
+
 class Sequence:
     """One generated continuation of a prompt: the unit the scheduler and cache see.
 
@@ -57,6 +65,11 @@ class Sequence:
         # Per output token: {token_id: (logprob, rank)} when logprobs were asked for.
         self.output_logprobs: list[dict[int, tuple[float, int]]] = []
         self.stop_reason: Optional[int | str] = None
+        # (hash, key) of each full block, filled lazily by the KV cache manager.
+        self.block_keys: list[tuple[int, tuple]] = []
+        # Prefix-cache hit of the first admission, in tokens (RequestOutput.num_cached_tokens).
+        self.num_cached_tokens = 0
+        self.was_admitted = False
         # Detokenizer state, owned by the engine layer.
         self.detok: Any = None
         self.text = ""
@@ -112,7 +125,11 @@ class Request:
     sampling_params: "SamplingParams"
     arrival_time: float
     priority: int = 0
+    # Isolates tenants in the prefix cache: blocks are shared only between requests with the same salt.
+    cache_salt: Optional[str] = None
     seqs: list[Sequence] = field(default_factory=list)
+    # Children of an n > 1 request that fork from seqs[0] when its prompt is done.
+    pending_children: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     # Prompt logprobs per prompt position (None for the first), filled during prefill.
     prompt_logprobs: list[Optional[dict[int, tuple[float, int]]]] = field(default_factory=list)
@@ -121,11 +138,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         seed = self.sampling_params.seed
         n = self.sampling_params.best_of or self.sampling_params.n
-        # Each child gets its own seed derived from the request's, so siblings differ.
-        self.seqs = [
-            Sequence(self, i, None if seed is None else (seed if i == 0 else seed * 1_000_003 + i))
-            for i in range(n)
-        ]
+        self.seqs = [Sequence(self, i, None if seed is None else child_seed(seed, i)) for i in range(n)]
+        self.pending_children = self.seqs[1:]
 
     @property
     def is_finished(self) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pagellm.config import EngineArgs, parse_memory
-from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
 from pagellm.core.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
 from pagellm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -101,7 +101,7 @@ class LLMEngine:
         self.cache_engine = CacheEngine(
             num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         chunked = args.enable_chunked_prefill
         budget = args.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
@@ -129,6 +129,8 @@ class LLMEngine:
             self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config)
         )
         self.requests: dict[str, Request] = {}
+        if args.preload_prompts:
+            self.preload_prefixes(args.preload_prompts)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -235,6 +237,7 @@ class LLMEngine:
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        cache_salt: Optional[str] = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input.
 
@@ -245,6 +248,16 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        num_seqs = params.best_of or params.n
+        if num_seqs > self.scheduler.config.max_num_seqs:
+            raise ValueError(
+                f"n/best_of={num_seqs} is more than max_num_seqs={self.scheduler.config.max_num_seqs} sequences "
+                "can run at once: lower n or raise --max-num-seqs"
+            )
+        if isinstance(prompt, dict) and cache_salt is None:
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -258,6 +271,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            cache_salt=cache_salt or None,
         )
         for seq in request.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -270,11 +284,12 @@ class LLMEngine:
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        cache_salt: Optional[str] = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params, arrival_time, priority)
+        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt)
         self.enqueue(request)
         return request
 
@@ -305,9 +320,54 @@ class LLMEngine:
             num_slots=kv.num_blocks * kv.block_size,
             num_filled_slots=sum(s.num_computed_tokens for s in sched.running),
             num_preemptions=sched.stats.num_preemptions,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
         )
+
+    # ----------------------------------------------------------- prefix cache
+    def kv_cache_stats(self) -> KVCacheStats:
+        seqs = [s for r in self.requests.values() for s in r.seqs]
+        return self.kv_cache_manager.stats(seqs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (pins included); False while requests hold blocks."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv_cache_manager.unpin_all()
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def preload_prefixes(self, prompts: list[PromptType]) -> int:
+        """Compute the KV of ``prompts`` now and pin their full blocks; returns the blocks pinned.
+
+        Pinned blocks are never evicted, so later requests starting with these prompts hit the
+        cache however busy the engine was in between.
+        """
+        if not self.kv_cache_manager.enable_prefix_caching:
+            raise ValueError("preloading prefixes needs prefix caching (enable_prefix_caching=True)")
+        if self.has_unfinished_requests():
+            raise RuntimeError("preload prefixes before adding requests, or once the engine is idle")
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+        requests = [self.add_request(f"preload-{i}-{time.time_ns()}", p, params) for i, p in enumerate(prompts)]
+        while self.has_unfinished_requests():
+            self.step()
+        manager = self.kv_cache_manager
+        pinned = 0
+        for request in requests:
+            seq = request.seqs[0]
+            blocks = []
+            for i in range(seq.num_prompt_tokens // manager.block_size):
+                block = manager.pool.lookup(*manager.block_key(seq, i))
+                if block is None:
+                    break
+                blocks.append(block)
+            manager.pin(blocks)
+            pinned += len(blocks)
+        logger.info("preloaded %d prompt(s): %d KV blocks pinned", len(requests), pinned)
+        return pinned
+
+    def unpin_prefixes(self) -> int:
+        """Release every pinned prefix (they stay cached until evicted); returns the blocks released."""
+        return self.kv_cache_manager.unpin_all()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -395,4 +455,5 @@ class LLMEngine:
             outputs=completions,
             finished=request.is_finished,
             metrics=RequestMetrics(**vars(m)),
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
         )

@@ -9,11 +9,22 @@ from typing import Any, Optional, Union
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
+from pagellm.core.kv_cache_manager import KVCacheStats
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+
+
+def _as_prompt_list(prompts: Union[PromptType, Seq[PromptType]]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 class LLM:
@@ -26,6 +37,28 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def beam_search(
+        self, prompts: Union[PromptType, Seq[PromptType]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt; each output holds the ``beam_width`` best sequences, best first."""
+        return beam_search(self.llm_engine, _as_prompt_list(prompts), params)
+
+    # ------------------------------------------------------------ KV cache
+    def kv_cache_stats(self) -> KVCacheStats:
+        """Blocks (total, free, in use, cached, pinned), tokens vs. slots, sharing savings,
+        internal fragmentation and prefix-cache queries/hits."""
+        return self.llm_engine.kv_cache_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def preload_prefixes(self, prompts: Seq[PromptType]) -> int:
+        """Compute and pin the KV of common prompts (system prompts); returns the blocks pinned."""
+        return self.llm_engine.preload_prefixes(list(prompts))
+
+    def unpin_prefixes(self) -> int:
+        return self.llm_engine.unpin_prefixes()
+
     def generate(
         self,
         prompts: Union[PromptType, Seq[PromptType]],
@@ -37,11 +70,7 @@ class LLM:
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -33,3 +33,14 @@ class CacheEngine:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer's K and V."""
+        if not pairs:
+            return
+        device = self.kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from pagellm.core.sequence import Sequence
 from pagellm.model.attention import AttentionMetadata, PrefillSpan
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
@@ -34,6 +35,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(sched.finished_seq_ids)
+        self.cache_engine.copy_blocks(sched.blocks_to_copy)
         result = ModelRunnerOutput()
         if sched.is_empty:
             return result
@@ -47,7 +49,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         sample_rows: list[int] = []  # flat index of each sampled sequence's last token
-        sample_items: list[ScheduledSeq] = []
+        sample_seqs: list[Sequence] = []
         lp_rows: list[int] = []  # flat indices whose logits score a prompt token
         lp_targets: list[int] = []
         lp_owner: list[tuple[ScheduledSeq, int]] = []
@@ -65,8 +67,10 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table)))
             if it.sample:
-                sample_rows.append(q_start + n - 1)
-                sample_items.append(it)
+                # Forked children sample their own first token from the parent's logits.
+                for s in (seq, *it.fork_children):
+                    sample_rows.append(q_start + n - 1)
+                    sample_seqs.append(s)
             if it.prompt_logprobs_range is not None:
                 lo, hi = it.prompt_logprobs_range
                 lp_rows.extend(q_start + p - start for p in range(lo, hi))
@@ -86,12 +90,11 @@ class ModelRunner:
         # The LM head runs only on the rows that are sampled or scored.
         rows = sample_rows + lp_rows
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
-        if sample_items:
-            seqs = [it.seq for it in sample_items]
-            for it, res in zip(sample_items, self.sampler(logits[: len(sample_items)], seqs)):
-                result.samples[it.seq.seq_id] = res
+        if sample_seqs:
+            for s, res in zip(sample_seqs, self.sampler(logits[: len(sample_seqs)], sample_seqs)):
+                result.samples[s.seq_id] = res
         if lp_rows:
-            lp = torch.log_softmax(logits[len(sample_items):], dim=-1)
+            lp = torch.log_softmax(logits[len(sample_seqs):], dim=-1)
             num = max(it.seq.params.prompt_logprobs or 0 for it, _ in lp_owner)
             entries = top_logprobs(lp, num, self._tensor(lp_targets))
             offset = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.core.block_pool import BlockPool
+from pagellm.core.block_pool import BlockPool, hash_block_key
 
 
 def free_ids(pool: BlockPool) -> list[int]:
@@ -71,10 +71,13 @@ def test_over_allocation_and_double_free_raise():
 def test_cached_hash_is_dropped_when_the_block_is_reused():
     pool = BlockPool(1)
     (b,) = pool.allocate(1)
-    pool.cache_block(b, 1234)
-    assert pool.lookup(1234) is b
+    key = (None, (1, 2, 3), None)
+    h = hash_block_key(key)
+    pool.cache_block(b, h, key)
+    assert pool.lookup(h, key) is b
+    assert pool.lookup(h, (None, (9, 9, 9), None)) is None  # a colliding hash with other tokens is a miss
     pool.free([b])
-    assert pool.lookup(1234) is b  # freed but still cached until evicted
+    assert pool.lookup(h, key) is b  # freed but still cached until evicted
     pool.allocate(1)
-    assert pool.lookup(1234) is None and b.block_hash is None
+    assert pool.lookup(h, key) is None and b.block_hash is None
     pool.assert_consistent()

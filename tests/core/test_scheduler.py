@@ -41,7 +41,8 @@ def fake_step(sched: Scheduler):
     res = ModelRunnerOutput()
     for item in out.scheduled:
         if item.sample:
-            res.samples[item.seq.seq_id] = SampleResult(token_id=1 + item.seq.num_tokens % 50, logprob=-1.0)
+            for seq in (item.seq, *item.fork_children):
+                res.samples[seq.seq_id] = SampleResult(token_id=1 + seq.num_tokens % 50, logprob=-1.0)
     sched.update(out, res)
     sched.kv_cache.assert_consistent()
     return out

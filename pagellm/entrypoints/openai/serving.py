@@ -79,15 +79,14 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _start(self, prompts: list[tuple[str, list[int]]], params: SamplingParams, priority: int,
-               prefix: str) -> Job:
+    def _start(self, prompts: list[tuple[str, list[int]]], params: SamplingParams, req: Any, prefix: str) -> Job:
         base = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
-                streams.append(self.engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids},
-                                                       params, priority=priority))
+                prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": req.cache_salt}
+                streams.append(self.engine.add_request(rid, prompt, params, priority=req.priority))
         except QueueFullError as e:
             for s in streams:
                 s.abort()
@@ -185,7 +184,7 @@ class OpenAIServing:
             raise from_value_error(e)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens)
-        job = self._start(prompts, params, req.priority, "cmpl")
+        job = self._start(prompts, params, req, "cmpl")
         created = int(time.time())
         rid = job.streams[0].request_id
         if req.stream:
@@ -337,7 +336,7 @@ class OpenAIServing:
         except ValueError as e:
             raise from_value_error(e)
         self._check_length(len(ids), params.max_tokens, what="messages")
-        job = self._start([(self.tokenizer.decode(ids), ids)], params, req.priority, "chatcmpl")
+        job = self._start([(self.tokenizer.decode(ids), ids)], params, req, "chatcmpl")
         created = int(time.time())
         rid = job.streams[0].request_id
         if req.stream:

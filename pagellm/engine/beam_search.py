@@ -1,0 +1,147 @@
+"""Beam search on top of the engine, sharing KV blocks through the prefix cache.
+
+Each step, every live beam asks the engine for one token with the top ``2 * beam_width``
+logprobs; the best ``beam_width`` continuations over all beams survive. A beam's
+request starts with its parent's tokens, so it adopts the parent's full blocks from
+the prefix cache (expanding a beam forks those blocks, only the partial tail block
+is recomputed) and a pruned beam's blocks are simply freed, to be evicted LRU.
+
+Scoring follows transformers: a finished beam scores ``cum_logprob / gen_len ** length_penalty``,
+where ``gen_len`` counts generated tokens. A candidate that ends in EOS finishes only if it
+ranks within the top ``beam_width`` candidates of its step (as in transformers). The search
+stops after ``max_tokens`` steps, or earlier once ``beam_width`` beams have finished and no
+live beam can still beat the worst of them (transformers' ``early_stopping=False`` heuristic).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.engine.llm_engine import LLMEngine, PromptType
+
+# SamplingParams caps logprobs at 20: 2 * beam_width candidates per beam.
+MAX_BEAM_WIDTH = 10
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.length_penalty, (int, float)):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    cum_logprob: float = 0.0
+    finished: bool = False
+    text: Optional[str] = None
+    score: float = 0.0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The ``beam_width`` best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
+    gen_len = max(1, len(beam.tokens) - beam.num_prompt_tokens)
+    return beam.cum_logprob / (gen_len**length_penalty)
+
+
+def beam_search(engine: "LLMEngine", prompts: list["PromptType"], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    width = params.beam_width
+    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
+                                 detokenize=False)
+    eos = set() if params.ignore_eos else engine.eos_token_ids
+    ids = itertools.count()
+    live: list[list[BeamSearchSequence]] = []
+    done: list[list[BeamSearchSequence]] = []
+    for prompt in prompts:
+        _, tokens = engine.tokenize_prompt(prompt)
+        live.append([BeamSearchSequence(list(tokens), len(tokens))])
+        done.append([])
+    for _ in range(params.max_tokens):
+        jobs = [(p, beam) for p, beams in enumerate(live) for beam in beams]
+        if not jobs:
+            break
+        added = []
+        try:
+            for p, beam in jobs:
+                if len(beam.tokens) >= engine.max_model_len:
+                    continue
+                rid = f"beam-{next(ids)}"
+                engine.add_request(rid, beam.tokens, step_params)
+                added.append((rid, p, beam))
+            results = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            engine.abort_request([rid for rid, _, _ in added])
+            raise
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for rid, p, beam in added:
+            entry = results[rid].outputs[0].logprobs[0]  # type: ignore[index]
+            for token, lp in entry.items():
+                candidates[p].append(
+                    BeamSearchSequence(beam.tokens + [token], beam.num_prompt_tokens, beam.cum_logprob + lp.logprob)
+                )
+        for p, cands in enumerate(candidates):
+            cands.sort(key=lambda b: b.cum_logprob, reverse=True)
+            next_beams: list[BeamSearchSequence] = []
+            for rank, cand in enumerate(cands[: 2 * width]):
+                if cand.tokens[-1] in eos:
+                    if rank < width:  # an EOS outside the top beam_width is dropped
+                        cand.finished = True
+                        done[p].append(cand)
+                    continue
+                next_beams.append(cand)
+                if len(next_beams) == width:
+                    break
+            live[p] = next_beams
+            if _search_is_done(done[p], next_beams, width, params.length_penalty):
+                live[p] = []
+    outputs = []
+    tokenizer = engine.tokenizer
+    for p in range(len(prompts)):
+        finished = done[p] + live[p]
+        for beam in finished:
+            beam.score = _score(beam, params.length_penalty)
+            beam.text = tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
+        finished.sort(key=lambda b: b.score, reverse=True)
+        outputs.append(BeamSearchOutput(finished[:width]))
+    return outputs
+
+
+def _search_is_done(done: list[BeamSearchSequence], live: list[BeamSearchSequence], width: int,
+                    length_penalty: float) -> bool:
+    if not live:
+        return True
+    if len(done) < width:
+        return False
+    worst_done = sorted((_score(b, length_penalty) for b in done), reverse=True)[width - 1]
+    best_live = max(_score(b, length_penalty) for b in live)
+    return best_live <= worst_done
