@@ -362,6 +362,15 @@ class LLMEngine:
                 blocks.append(block)
             manager.pin(blocks)
             pinned += len(blocks)
+        left = manager.num_blocks - len(manager.pinned)
+        needed = cdiv(self.max_model_len, manager.block_size)
+        if left < needed:
+            manager.unpin_all()
+            raise ValueError(
+                f"the preloaded prompts pin {pinned} of {manager.num_blocks} KV blocks, leaving {left}: too few for "
+                f"one sequence of max_model_len={self.max_model_len} ({needed} blocks); preload fewer prompts or "
+                "raise --kv-cache-memory / --num-kv-blocks"
+            )
         logger.info("preloaded %d prompt(s): %d KV blocks pinned", len(requests), pinned)
         return pinned
 

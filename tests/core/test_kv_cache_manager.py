@@ -61,3 +61,116 @@ def test_assert_consistent_catches_a_ref_count_drift():
 def test_block_size_range(block_size):
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(4, block_size)
+
+
+# ------------------------------------------------------------ prefix caching
+def make_req(tokens, salt=None, n=1):
+    return Request(f"p{len(tokens)}", None, list(tokens), SamplingParams(n=n), arrival_time=0.0, cache_salt=salt)
+
+
+def compute(mgr, seq, num_tokens=None):
+    """Pretend the model ran: allocate and mark ``num_tokens`` (default: all) computed, then hash."""
+    n = (num_tokens if num_tokens is not None else seq.num_tokens) - seq.num_computed_tokens
+    assert mgr.allocate_slots(seq, n)
+    seq.num_computed_tokens += n
+    mgr.cache_full_blocks(seq)
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_the_last_token_to_compute():
+    mgr = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    a = make_req(range(10, 22)).seqs[0]  # 12 tokens: 3 full blocks
+    compute(mgr, a)
+    assert mgr.block_table(a) == [0, 1, 2]
+    b = make_req(range(10, 22)).seqs[0]
+    hits = mgr.find_cached_prefix(b)
+    # 12 tokens, but at most 11 may come from the cache: 2 blocks, never the third.
+    assert [blk.block_id for blk in hits] == [0, 1]
+    assert mgr.allocate_slots(b, 4, hits)
+    assert b.num_computed_tokens == 8 and mgr.block_table(b) == [0, 1, 3]
+    assert [mgr.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    mgr.assert_consistent()
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru_tail_first():
+    mgr = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = make_req([1, 2, 3, 4, 5, 6]).seqs[0]
+    compute(mgr, a)
+    mgr.free(a)
+    assert [b.block_id for b in mgr.pool.free_queue] == [3, 2, 1, 0]
+    assert mgr.pool.num_cached_free_blocks == 3
+    b = make_req([1, 2, 3, 4, 9, 9]).seqs[0]
+    hits = mgr.find_cached_prefix(b)
+    assert [blk.block_id for blk in hits] == [0, 1]  # free-but-cached blocks are revived
+    assert mgr.allocate_slots(b, 2, hits)
+    # The new block came off the head of the free queue: block 3 (never cached), not the prefix.
+    assert mgr.block_table(b) == [0, 1, 3]
+    mgr.free(b)
+    assert [blk.block_id for blk in mgr.pool.free_queue] == [2, 3, 1, 0]
+    c = make_req([7, 7, 7, 7]).seqs[0]
+    compute(mgr, c)  # takes 2 (evicting a's cached tail block) and 3: the prefix 0, 1 survives
+    assert mgr.block_table(c) == [2, 3]
+    again = make_req([1, 2, 3, 4, 5, 6, 0]).seqs[0]
+    assert [blk.block_id for blk in mgr.find_cached_prefix(again)] == [0, 1]
+    mgr.assert_consistent()
+
+
+def test_cache_salt_isolates_tenants_and_collisions_never_hit():
+    mgr = KVCacheManager(num_blocks=10, block_size=2, enable_prefix_caching=True)
+    a = make_req([1, 2, 3, 4, 5], salt="tenant-a").seqs[0]
+    compute(mgr, a)
+    assert mgr.find_cached_prefix(make_req([1, 2, 3, 4, 5], salt="tenant-b").seqs[0]) == []
+    assert len(mgr.find_cached_prefix(make_req([1, 2, 3, 4, 5], salt="tenant-a").seqs[0])) == 2
+    # Forge a collision: the cached block's hash, but other tokens in the key.
+    block = mgr.pool.blocks[0]
+    assert mgr.pool.lookup(block.block_hash, (None, (8, 8), "tenant-a")) is None
+
+
+def test_fork_shares_every_block_and_copy_on_write_copies_only_the_partial_one():
+    mgr = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    parent, child = make_req(range(10, 20), n=2).seqs  # 10 tokens: blocks 0, 1 full, 2 partial
+    compute(mgr, parent)
+    mgr.fork(parent, child)
+    assert mgr.block_table(child) == mgr.block_table(parent) == [0, 1, 2]
+    assert all(mgr.pool.blocks[i].ref_cnt == 2 for i in (0, 1, 2))
+    parent.output_token_ids.append(50)
+    child.output_token_ids.append(60)
+    assert mgr.allocate_slots(child, 1)  # writes into shared block 2: copied first
+    assert mgr.block_table(child) == [0, 1, 3] and mgr.take_pending_copies() == [(2, 3)]
+    assert mgr.allocate_slots(parent, 1)  # block 2 is its own now: written in place
+    assert mgr.block_table(parent) == [0, 1, 2] and mgr.take_pending_copies() == []
+    assert [mgr.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    mgr.assert_consistent()
+
+
+def test_full_blocks_are_never_copied():
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    parent, child = make_req(range(10, 18), n=2).seqs  # 8 tokens: exactly 2 full blocks
+    compute(mgr, parent)
+    mgr.fork(parent, child)
+    child.output_token_ids.append(1)
+    assert mgr.allocate_slots(child, 1)
+    assert mgr.block_table(child) == [0, 1, 2] and mgr.take_pending_copies() == []
+
+
+def test_pins_hold_blocks_and_count_as_holders():
+    mgr = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = make_req([1, 2, 3, 4]).seqs[0]
+    compute(mgr, a)
+    blocks = [mgr.pool.blocks[0], mgr.pool.blocks[1]]
+    mgr.free(a)
+    mgr.pin(blocks)
+    assert mgr.num_free_blocks == 2 and mgr.stats([]).pinned_blocks == 2
+    mgr.assert_consistent()
+    assert mgr.unpin_all() == 2 and mgr.num_free_blocks == 4
+    mgr.assert_consistent()
+
+
+def test_stats_report_sharing_and_fragmentation():
+    mgr = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    parent, child = make_req(range(10, 20), n=2).seqs  # 10 tokens in 3 blocks (2 slots unused)
+    compute(mgr, parent)
+    mgr.fork(parent, child)
+    st = mgr.stats([parent, child])
+    assert (st.in_use_blocks, st.allocated_slots, st.physical_slots_used, st.logical_tokens) == (3, 12, 10, 20)
+    assert st.saved_by_sharing_slots == 10
+    assert st.internal_fragmentation == pytest.approx(2 / 12)

@@ -182,3 +182,63 @@ def test_random_workloads_keep_invariants_and_always_finish(ops, block_size, chu
     run_to_end(sched, limit=2000)
     assert all(r.is_finished for r in live)
     assert sched.kv_cache.num_free_blocks == num_blocks and not sched.kv_cache.block_tables
+
+
+SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(0, 2), st.integers(0, 10), st.integers(1, 10), st.integers(1, 3)),
+            st.tuples(st.just("step")),
+            st.tuples(st.just("abort"), st.integers(0, 50)),
+            st.tuples(st.just("pin"), st.integers(0, 2)),
+            st.tuples(st.just("unpin")),
+        ),
+        max_size=70,
+    ),
+    block_size=st.sampled_from([1, 2, 4]),
+)
+def test_sharing_workloads_add_fork_abort_evict_pin_keep_invariants(ops, block_size):
+    """Prefix hits, forks (n > 1), aborts, evictions under a tiny pool and pins: invariants after every op."""
+    max_len = 40
+    num_blocks = -(-max_len // block_size) + 8
+    cfg = SchedulerConfig(32, 6, max_len, enable_chunked_prefill=True)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    sched = Scheduler(cfg, kv, eos_token_ids=[0], clock=FakeClock())
+    live: list[Request] = []
+    for op in ops:
+        if op[0] == "add":
+            prompt = SHARED_PREFIXES[op[1]] + [3] * op[2]
+            r = Request(f"req{next(_ids)}", None, prompt[: max_len - 12],
+                        SamplingParams(max_tokens=op[3], ignore_eos=True, n=op[4]), arrival_time=0.0)
+            sched.add_request(r)
+            live.append(r)
+        elif op[0] == "step" and sched.has_unfinished():
+            fake_step(sched)
+        elif op[0] == "abort" and live:
+            sched.abort_request(live[op[1] % len(live)])
+        elif op[0] == "pin" and not kv.pinned:
+            probe = Request("probe", None, SHARED_PREFIXES[op[1]] + [0], SamplingParams(), arrival_time=0.0).seqs[0]
+            hits = kv.find_cached_prefix(probe)
+            if len(hits) + sum(1 for b in hits if b.ref_cnt == 0) <= kv.num_free_blocks:
+                kv.pin(hits)
+        elif op[0] == "unpin":
+            kv.unpin_all()
+        kv.assert_consistent()
+        for r in live:  # forked siblings share their blocks; no table ever holds a freed block
+            for s in r.seqs:
+                assert all(b.ref_cnt >= 1 for b in kv.block_tables.get(s.seq_id, ()))
+    kv.unpin_all()
+    run_to_end(sched, limit=3000)
+    assert all(r.is_finished for r in live)
+    for r in live:
+        for s in r.seqs:
+            if s.status is SequenceStatus.FINISHED_LENGTH:
+                # Forks and cache hits never changed what a sequence computed (the fake token is the position).
+                n = s.num_prompt_tokens
+                assert s.output_token_ids == [1 + (n + i) % 50 for i in range(s.num_output_tokens)]
+    assert kv.num_free_blocks == num_blocks and not kv.block_tables
+    kv.assert_consistent()
