@@ -87,6 +87,19 @@ class EngineArgs:
         "split long prompts over several steps so running requests keep decoding"))
     prefill_chunk_size: Optional[int] = field(default=None, metadata=_flag(
         "largest prefill chunk of one prompt per step (default: the whole token budget)"))
+    scheduling_policy: str = field(default="fcfs", metadata=_flag(
+        "fcfs (arrival order), priority (per-request priority, lower first; may preempt less urgent "
+        "requests) or sla (earliest TTFT deadline first)", "--scheduler-policy",
+        choices=("fcfs", "priority", "sla")))
+    default_ttft_slo: Optional[float] = field(default=None, metadata=_flag(
+        "time-to-first-token target in seconds for requests that give none (sla policy)"))
+    default_tpot_slo: Optional[float] = field(default=None, metadata=_flag(
+        "time-per-output-token target in seconds for requests that give none (sla policy)"))
+    swap_space: float = field(default=4.0, metadata=_flag(
+        "GiB of host memory for the swap pool that preempted requests move to"))
+    preemption_mode: str = field(default="auto", metadata=_flag(
+        "swap, recompute, or auto (swap while the swap pool has room, else recompute)",
+        choices=("auto", "swap", "recompute")))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "share the KV blocks of common prompt prefixes between requests"))
     preload_prompts: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
@@ -104,6 +117,20 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "prefill_chunk_size"):
             positive(name)
         positive("max_num_seqs", allow_none=False)
+        for name in ("default_ttft_slo", "default_tpot_slo"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive number of seconds, got {v!r}")
+        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
+            raise ValueError(f"swap_space (--swap-space) must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "sla"):
+            raise ValueError(
+                f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode (--preemption-mode) must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs a swap pool: give --swap-space > 0")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size (--block-size) must be an integer in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
@@ -139,6 +166,8 @@ class EngineArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name in ("kv_cache_memory", "preload_prompts"):
                 kwargs["type"] = str
+            elif "float" in str(f.type):
+                kwargs["type"] = float
             elif "int" in str(f.type):
                 kwargs["type"] = int
             else:

@@ -85,6 +85,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
     def contains(self, block: KVBlock) -> bool:
         return block.prev_free is not None
 
@@ -99,33 +108,59 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns every physical block: allocation, ref counts and the free queue."""
+    """Owns every physical block: allocation, ref counts and the free queue.
+
+    Blocks are created lazily: never-used blocks (ids ``len(self._blocks)`` and up) wait
+    ahead of the free queue, in id order, exactly where an eager pool's initial free
+    queue would hold them. So a large pool (the CPU swap pool) costs nothing up front.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._blocks: list[KVBlock] = []
+        self.free_queue = FreeBlockQueue(())
         # prefix hash -> block holding that full block's K/V (in use or free-but-cached).
         self.cached_blocks: dict[int, KVBlock] = {}
 
     @property
+    def blocks(self) -> list[KVBlock]:
+        """Every block, by id (creates the never-used ones: for tests and checks)."""
+        fresh = [KVBlock(i) for i in range(len(self._blocks), self.num_blocks)]
+        for block in reversed(fresh):  # never-used blocks go ahead of every freed one
+            self.free_queue.appendleft(block)
+        self._blocks.extend(fresh)
+        return self._blocks
+
+    def free_order(self) -> list[int]:
+        """Ids of the free blocks in the order they will be allocated (evicted)."""
+        return list(range(len(self._blocks), self.num_blocks)) + [b.block_id for b in self.free_queue]
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        return self.num_blocks - len(self._blocks)
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.num_fresh_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free
+        return self.num_blocks - self.num_free_blocks
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks off the free queue (evicting cached contents) with ref count 1."""
-        if n > self.free_queue.num_free:
-            raise ValueError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            self._evict(block)
+            if self.num_fresh_blocks:
+                block = KVBlock(len(self._blocks))
+                self._blocks.append(block)
+            else:
+                block = self.free_queue.popleft()
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -182,17 +217,23 @@ class BlockPool:
         """Forget every cached hash; only allowed when no block is in use."""
         if self.num_used_blocks:
             return False
-        for block in self.blocks:
+        for block in self._blocks:
             block.block_hash = None
             block.block_key = None
         self.cached_blocks.clear()
         return True
 
+    @property
+    def created_blocks(self) -> list[KVBlock]:
+        """The blocks used at least once; the others are trivially free."""
+        return self._blocks
+
     def assert_consistent(self) -> None:
         free_ids = [b.block_id for b in self.free_queue]
         assert len(free_ids) == self.free_queue.num_free, "free count drifted from the queue"
         assert len(set(free_ids)) == len(free_ids), "a block is twice on the free queue"
-        for block in self.blocks:
+        assert all(i < len(self._blocks) for i in free_ids), "a never-used block is on the free queue"
+        for block in self._blocks:
             on_queue = self.free_queue.contains(block)
             assert (block.ref_cnt == 0) == on_queue, f"{block}: ref count and free queue disagree"
             assert block.ref_cnt >= 0

@@ -56,13 +56,20 @@ class KVCacheStats:
 class KVCacheManager:
     """Maps each sequence to its block table and keeps the pool's counts honest."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         if not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVBlock]] = {}
+        # The swap pool in host memory, and the CPU block tables of swapped-out sequences.
+        self.cpu_pool: Optional[BlockPool] = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.cpu_tables: dict[int, list[KVBlock]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
         # How many leading blocks of each sequence are registered in the prefix cache.
         self._num_hashed: dict[int, int] = {}
         self.pinned: list[KVBlock] = []
@@ -153,6 +160,13 @@ class KVCacheManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return True
 
+    def num_blocks_to_admit(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
+        """Free blocks that admitting ``seq`` with these prefix hits would take."""
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        held = len(self.block_tables.get(seq.seq_id, ())) + len(cached)
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        return max(0, self.blocks_for(computed + num_new_tokens) - held) + revived
+
     def _shared_block_to_write(self, seq: Sequence, computed: int) -> Optional[KVBlock]:
         """The partially filled block the next token goes into, if other tables hold it too."""
         if computed % self.block_size == 0:
@@ -201,8 +215,11 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> int:
-        """Return every block of ``seq``; the tail goes first so a prefix outlives it in the LRU."""
+        """Return every block of ``seq`` (device and CPU); the tail goes first so a prefix outlives it."""
         self._num_hashed.pop(seq.seq_id, None)
+        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
+        if cpu_table and self.cpu_pool is not None:
+            self.cpu_pool.free(cpu_table)
         table = self.block_tables.pop(seq.seq_id, None)
         if not table:
             return 0
@@ -212,6 +229,42 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, seq: Sequence) -> bool:
+        table = self.block_tables.get(seq.seq_id)
+        return self.cpu_pool is not None and bool(table) and self.cpu_pool.num_free_blocks >= len(table)
+
+    def swap_out(self, seq: Sequence) -> int:
+        """Move ``seq``'s blocks to the CPU pool and free its device blocks; returns the blocks moved."""
+        assert self.cpu_pool is not None
+        table = self.block_tables.pop(seq.seq_id)
+        cpu_blocks = self.cpu_pool.allocate(len(table))
+        self.pending_swap_out.extend((d.block_id, c.block_id) for d, c in zip(table, cpu_blocks))
+        self.cpu_tables[seq.seq_id] = cpu_blocks
+        # The device blocks keep their prefix hashes: their contents stay valid until reused.
+        self.pool.free(reversed(table))
+        self._num_hashed.pop(seq.seq_id, None)
+        return len(table)
+
+    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Bring ``seq``'s blocks back into fresh device blocks, keeping ``reserve`` free; False if short."""
+        assert self.cpu_pool is not None
+        cpu_table = self.cpu_tables[seq.seq_id]
+        if len(cpu_table) + reserve > self.pool.num_free_blocks:
+            return False
+        del self.cpu_tables[seq.seq_id]
+        table = self.pool.allocate(len(cpu_table))
+        self.pending_swap_in.extend((c.block_id, d.block_id) for c, d in zip(cpu_table, table))
+        self.cpu_pool.free(cpu_table)
+        self.block_tables[seq.seq_id] = table
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return True
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        out, self.pending_swap_out = self.pending_swap_out, []
+        into, self.pending_swap_in = self.pending_swap_in, []
+        return out, into
 
     # ------------------------------------------------------------------ pins
     def pin(self, blocks: list[KVBlock]) -> None:
@@ -272,9 +325,17 @@ class KVCacheManager:
                 holders[block.block_id] += 1
         for block in self.pinned:
             holders[block.block_id] += 1
-        for block in self.pool.blocks:
+        for block in self.pool.created_blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"{block}: ref count {block.ref_cnt} but held by {holders[block.block_id]} block tables and pins"
             )
-        used = sum(1 for b in self.pool.blocks if b.ref_cnt > 0)
+        used = sum(1 for b in self.pool.created_blocks if b.ref_cnt > 0)
         assert used + self.pool.num_free_blocks == self.pool.num_blocks, "free + used != total"
+        assert not set(self.block_tables) & set(self.cpu_tables), "a sequence is both on the device and swapped"
+        if self.cpu_pool is not None:
+            self.cpu_pool.assert_consistent()
+            cpu_holders = Counter(b.block_id for t in self.cpu_tables.values() for b in t)
+            for block in self.cpu_pool.created_blocks:
+                assert block.ref_cnt == cpu_holders[block.block_id], f"CPU {block}: ref count drifted"
+        else:
+            assert not self.cpu_tables

@@ -1,22 +1,33 @@
 """Continuous batching: every step hands out a token budget, running sequences first.
 
 There is no prefill or decode phase: a sequence has ``num_computed_tokens`` and the
-scheduler gives it ``num_tokens - num_computed_tokens`` more (capped by the budget
-when chunked prefill is on). When blocks run out, the most recently admitted
-running sequence is preempted by recompute: its blocks are freed and it goes back
-to the front of the waiting queue, keeping the tokens it generated.
+scheduler gives it ``num_tokens - num_computed_tokens`` more (capped by the budget and
+``prefill_chunk_size`` when chunked prefill is on). Each step:
+
+1. (``priority`` policy) if the most urgent waiting request does not fit, strictly less
+   urgent running ones are preempted to make room;
+2. running sequences get their tokens; when blocks run out, the least urgent running
+   sequence not yet scheduled this step (the latest arrival under ``fcfs``) is preempted;
+3. swapped-out sequences come back before any new request: the next one's swap-in is
+   issued a step ahead of its scheduling, so its blocks are in place when it runs;
+4. waiting sequences are admitted in policy order while budget, seats and blocks last.
+
+Preemption swaps the sequence's blocks to the CPU pool (``swap``, or ``auto`` while the
+pool has room) or frees them to be recomputed later (``recompute``); either way the
+sequence keeps the tokens it generated.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.policy import SchedulingPolicy, make_policy
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -33,6 +44,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Largest prefill chunk of one prompt in one step; None: the whole budget.
     prefill_chunk_size: Optional[int] = None
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "auto"  # swap, recompute, or auto (swap while the CPU pool has room)
+    default_ttft_slo: Optional[float] = None
+    default_tpot_slo: Optional[float] = None
 
 
 @dataclass
@@ -59,12 +74,16 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Sequences finished since the last step: the worker drops their per-sequence state.
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Copy-on-write block copies (src, dst) the worker runs before the forward pass.
+    # Block moves the worker runs before the forward pass, in this order:
+    # device -> CPU (swap out), CPU -> device (swap in), device -> device (copy-on-write).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to compute and no block to move."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass
@@ -84,7 +103,16 @@ class ModelRunnerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_swap_outs: int = 0
+    num_recomputes: int = 0
     num_steps: int = 0
+    # SLA attainment: finished (not aborted) requests that had targets, and those that met them.
+    sla_finished: int = 0
+    sla_met: int = 0
+
+    @property
+    def sla_attainment(self) -> Optional[float]:
+        return self.sla_met / self.sla_finished if self.sla_finished else None
 
 
 class Scheduler:
@@ -99,7 +127,12 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
+        self.policy: SchedulingPolicy = make_policy(config.scheduling_policy, config.default_ttft_slo)
+        if config.preemption_mode not in ("swap", "recompute", "auto"):
+            raise ValueError(f"preemption_mode must be swap, recompute or auto, got {config.preemption_mode!r}")
+        # Waiting and swapped queues, kept sorted by the policy's key (most urgent first).
+        self.waiting: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._finished_seq_ids: list[int] = []
@@ -108,10 +141,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         # Only the first sequence runs the prompt; its n - 1 siblings fork from it afterwards.
         request.seqs[0].status = SequenceStatus.WAITING
-        self.waiting.append(request.seqs[0])
+        self._enqueue(self.waiting, request.seqs[0])
+
+    def _enqueue(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self.policy.key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -121,6 +157,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -129,25 +169,47 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         chunk_cap = cfg.prefill_chunk_size or budget
 
-        # 1. Running sequences first, in admission order.
+        # 1. Make room for an urgent waiting request by preempting less urgent running ones.
+        if self.policy.preempts_for_urgent and self.waiting and not self.swapped:
+            self._preempt_for_urgent(out, budget, chunk_cap)
+
+        # 2. Running sequences first, in admission order.
+        grew_short = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             while not self.kv_cache.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
+                # The least urgent of those not scheduled yet (seq itself included) makes room.
+                victim = max(self.running[i:], key=self.policy.key)
+                self.running.remove(victim)
+                self._preempt(victim, out)
+                grew_short = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: nothing after it remains either
+                continue  # it preempted itself; running[i] is now the next one
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
 
-        # 2. Then waiting ones, FCFS; not in a step that had to preempt (no room to spare).
-        while not out.preempted and self.waiting and budget > 0:
+        # 3. Swapped sequences come back before new ones; 4. then waiting ones, in policy order.
+        #    Neither in a step that was short of blocks: there is no room to spare.
+        if not grew_short:
+            if self.swapped:
+                self._swap_in_next()
+            else:
+                budget = self._admit_waiting(out, budget, chunk_cap)
+
+        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache.take_pending_swaps()
+        out.blocks_to_copy = self.kv_cache.take_pending_copies()
+        self.stats.num_steps += 1
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
+        cfg = self.config
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             # A first admission brings its unforked siblings along: they need seats too.
             seats = 1 + (len(seq.request.pending_children) if seq.index == 0 else 0)
@@ -161,7 +223,7 @@ class Scheduler:
             num_new = min(num_new, budget, chunk_cap)
             if not self.kv_cache.allocate_slots(seq, num_new, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if not seq.was_admitted:
                 seq.was_admitted = True
                 seq.num_cached_tokens = hit_tokens
@@ -173,11 +235,44 @@ class Scheduler:
                 times.first_scheduled_time = self.clock()
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+        return budget
 
-        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
-        out.blocks_to_copy = self.kv_cache.take_pending_copies()
-        self.stats.num_steps += 1
-        return out
+    def _preempt_for_urgent(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
+        head = self.waiting[0]
+        key = self.policy.key
+        seats = 1 + (len(head.request.pending_children) if head.index == 0 else 0)
+        hits = self.kv_cache.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
+        num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache.block_size,
+                      budget, chunk_cap)
+        needed = self.kv_cache.num_blocks_to_admit(head, num_new, hits)
+
+        def fits() -> bool:
+            return (len(self.running) + seats <= self.config.max_num_seqs
+                    and needed + self._decode_reserve() <= self.kv_cache.num_free_blocks)
+
+        while not fits() and self.running:
+            victim = max(self.running, key=key)
+            if key(victim) <= key(head):
+                break  # never preempt for an equally or less urgent request
+            self.running.remove(victim)
+            self._preempt(victim, out)
+
+    def _decode_reserve(self) -> int:
+        """Blocks the running sequences may need this step (one each at a block boundary)."""
+        bs = self.kv_cache.block_size
+        return sum(1 for s in self.running if s.num_computed_tokens % bs == 0)
+
+    def _swap_in_next(self) -> None:
+        """Bring the most urgent swapped sequence back if it fits, leaving room for the running ones."""
+        seq = self.swapped[0]
+        if len(self.running) + 1 > self.config.max_num_seqs:
+            return
+        if not self.kv_cache.swap_in(seq, reserve=self._decode_reserve()):
+            return
+        self.swapped.pop(0)
+        seq.status = SequenceStatus.RUNNING
+        # Scheduled from the next step on; the worker copies its blocks back in this one.
+        self.running.append(seq)
 
     @staticmethod
     def _may_use_prefix_cache(seq: Sequence) -> bool:
@@ -208,18 +303,32 @@ class Scheduler:
             fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
         )
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap ``seq`` out to the CPU pool, or free its blocks for a later recompute."""
         usage_before = self.kv_cache.usage
-        freed = self.kv_cache.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        mode = self.config.preemption_mode
+        swap = mode != "recompute" and self.kv_cache.can_swap_out(seq)
+        if swap:
+            moved = self.kv_cache.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self._enqueue(self.swapped, seq)
+            self.stats.num_swap_outs += 1
+            detail = f"mode=swap blocks_moved={moved}"
+        else:
+            if mode == "swap":
+                logger.warning("swap pool full: preempting seq %d by recompute instead", seq.seq_id)
+            freed = self.kv_cache.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(self.waiting, seq)
+            self.stats.num_recomputes += 1
+            detail = f"mode=recompute blocks_freed={freed} tokens_to_recompute={seq.num_tokens}"
         seq.request.metrics.num_preemptions += 1
         self.stats.num_preemptions += 1
+        out.preempted.append(seq)
         logger.info(
-            "preempt request_id=%s seq_id=%d mode=recompute blocks_freed=%d tokens_to_recompute=%d "
-            "kv_usage_before=%.3f kv_usage_after=%.3f",
-            seq.request.request_id, seq.seq_id, freed, seq.num_tokens, usage_before, self.kv_cache.usage,
+            "preempt request_id=%s seq_id=%d %s kv_usage_before=%.3f kv_usage_after=%.3f",
+            seq.request.request_id, seq.seq_id, detail, usage_before, self.kv_cache.usage,
         )
 
     # ----------------------------------------------------------------- update
@@ -292,17 +401,33 @@ class Scheduler:
             seq.request.pending_children.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass  # not yet added
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
         seq.status = status
         self.kv_cache.free(seq)
         self._finished_seq_ids.append(seq.seq_id)
         request = seq.request
         if request.is_finished and request.metrics.finished_time is None:
             request.metrics.finished_time = self.clock()
+            if status is not SequenceStatus.FINISHED_ABORTED:
+                self._record_sla(request)
+
+    def _record_sla(self, request: Request) -> None:
+        ttft_slo = request.ttft_slo if request.ttft_slo is not None else self.config.default_ttft_slo
+        tpot_slo = request.tpot_slo if request.tpot_slo is not None else self.config.default_tpot_slo
+        if ttft_slo is None and tpot_slo is None:
+            return
+        m = request.metrics
+        first = m.first_token_time if m.first_token_time is not None else m.finished_time
+        assert first is not None and m.finished_time is not None
+        ttft = first - m.arrival_time
+        n_out = max(s.num_output_tokens for s in request.seqs)
+        tpot = (m.finished_time - first) / (n_out - 1) if n_out > 1 else 0.0
+        met = (ttft_slo is None or ttft <= ttft_slo) and (tpot_slo is None or tpot <= tpot_slo)
+        self.stats.sla_finished += 1
+        self.stats.sla_met += int(met)
 
     def abort_request(self, request: Request) -> None:
         for seq in request.seqs:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # core stays importable without torch
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -125,6 +126,9 @@ class Request:
     sampling_params: "SamplingParams"
     arrival_time: float
     priority: int = 0
+    # Latency targets in seconds (the sla policy); None: the engine's defaults.
+    ttft_slo: Optional[float] = None
+    tpot_slo: Optional[float] = None
     # Isolates tenants in the prefix cache: blocks are shared only between requests with the same salt.
     cache_salt: Optional[str] = None
     seqs: list[Sequence] = field(default_factory=list)

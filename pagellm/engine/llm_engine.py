@@ -98,10 +98,13 @@ class LLMEngine:
             num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
             str(self.dtype).replace("torch.", ""), self.max_model_len, num_blocks / needed,
         )
+        num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
         self.cache_engine = CacheEngine(
-            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device
+            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device, num_cpu_blocks
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+        )
         chunked = args.enable_chunked_prefill
         budget = args.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
@@ -120,6 +123,10 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=chunked,
                 prefill_chunk_size=args.prefill_chunk_size,
+                scheduling_policy=args.scheduling_policy,
+                preemption_mode=args.preemption_mode,
+                default_ttft_slo=args.default_ttft_slo,
+                default_tpot_slo=args.default_tpot_slo,
             ),
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
@@ -238,6 +245,8 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        ttft_slo: Optional[float] = None,
+        tpot_slo: Optional[float] = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input.
 
@@ -258,6 +267,9 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        for name, slo in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
+            if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool) or slo <= 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {slo!r}")
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -272,6 +284,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt or None,
+            ttft_slo=ttft_slo,
+            tpot_slo=tpot_slo,
         )
         for seq in request.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -285,11 +299,13 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        ttft_slo: Optional[float] = None,
+        tpot_slo: Optional[float] = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt)
+        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt, ttft_slo, tpot_slo)
         self.enqueue(request)
         return request
 
@@ -314,7 +330,7 @@ class LLMEngine:
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
-            num_swapped=0,
+            num_swapped=sched.num_swapped,
             num_blocks=kv.num_blocks,
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             num_slots=kv.num_blocks * kv.block_size,
@@ -393,6 +409,9 @@ class LLMEngine:
                 # Cannot happen while one max_model_len sequence fits the cache; guard against a silent hang.
                 raise RuntimeError("scheduler made no progress with requests pending (internal error)")
             self.model_runner.sampler.forget(sched.finished_seq_ids)
+            return []
+        if not sched.scheduled:  # only block moves this step (a swap-in issued ahead)
+            self.model_runner.execute(sched)
             return []
         result = self.model_runner.execute(sched)
         touched = self.scheduler.update(sched, result)

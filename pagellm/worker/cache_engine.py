@@ -23,6 +23,7 @@ class CacheEngine:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -33,6 +34,14 @@ class CacheEngine:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
+        # The swap pool in host memory. Left uninitialised: a block is only read after a swap-out
+        # wrote it. Pinned on CUDA so that copies can overlap compute.
+        pin = device.type == "cuda"
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.cpu_caches = [
+            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(num_layers)
+        ] if num_cpu_blocks else []
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer's K and V."""
@@ -44,3 +53,22 @@ class CacheEngine:
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: pairs of (device id, CPU id)."""
+        self._move(pairs, self.kv_caches, self.cpu_caches)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks back to device blocks: pairs of (CPU id, device id)."""
+        self._move(pairs, self.cpu_caches, self.kv_caches)
+
+    @staticmethod
+    def _move(pairs: list[tuple[int, int]], src_caches: list, dst_caches: list) -> None:
+        if not pairs:
+            return
+        src_dev, dst_dev = src_caches[0][0].device, dst_caches[0][0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_dev)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_dev)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
+            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))

@@ -35,9 +35,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.forget(sched.finished_seq_ids)
+        # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
+        self.cache_engine.swap_out(sched.blocks_to_swap_out)
+        self.cache_engine.swap_in(sched.blocks_to_swap_in)
         self.cache_engine.copy_blocks(sched.blocks_to_copy)
         result = ModelRunnerOutput()
-        if sched.is_empty:
+        if not sched.scheduled:
             return result
         bs = self.block_size
         # Decodes first: they form one contiguous run attended to in a single batched call.

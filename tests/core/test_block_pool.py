@@ -8,7 +8,7 @@ from pagellm.core.block_pool import BlockPool, hash_block_key
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_queue]
+    return pool.free_order()
 
 
 def test_allocates_lowest_ids_first_and_counts():
@@ -81,3 +81,12 @@ def test_cached_hash_is_dropped_when_the_block_is_reused():
     pool.allocate(1)
     assert pool.lookup(h, key) is None and b.block_hash is None
     pool.assert_consistent()
+
+
+def test_blocks_are_created_lazily_in_the_order_an_eager_pool_would_use():
+    pool = BlockPool(1_000_000)  # a huge swap pool costs nothing up front
+    assert pool.num_free_blocks == 1_000_000 and len(pool._blocks) == 0
+    a = pool.allocate(3)
+    pool.free([a[1]])
+    assert pool.free_order()[:3] == [3, 4, 5] and pool.free_order()[-1] == 1
+    assert [b.block_id for b in pool.allocate(2)] == [3, 4]  # never-used blocks before freed ones

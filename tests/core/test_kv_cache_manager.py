@@ -43,7 +43,7 @@ def test_free_returns_every_block_tail_first():
     seq = make_seq(3)
     mgr.allocate_slots(seq, 3)
     assert mgr.free(seq) == 3
-    assert [b.block_id for b in mgr.pool.free_queue] == [3, 2, 1, 0]
+    assert mgr.pool.free_order() == [3, 2, 1, 0]
     assert mgr.num_free_blocks == 4 and mgr.free(seq) == 0
     mgr.assert_consistent()
 
@@ -96,7 +96,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru_tail_first():
     a = make_req([1, 2, 3, 4, 5, 6]).seqs[0]
     compute(mgr, a)
     mgr.free(a)
-    assert [b.block_id for b in mgr.pool.free_queue] == [3, 2, 1, 0]
+    assert mgr.pool.free_order() == [3, 2, 1, 0]
     assert mgr.pool.num_cached_free_blocks == 3
     b = make_req([1, 2, 3, 4, 9, 9]).seqs[0]
     hits = mgr.find_cached_prefix(b)
@@ -105,7 +105,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru_tail_first():
     # The new block came off the head of the free queue: block 3 (never cached), not the prefix.
     assert mgr.block_table(b) == [0, 1, 3]
     mgr.free(b)
-    assert [blk.block_id for blk in mgr.pool.free_queue] == [2, 3, 1, 0]
+    assert mgr.pool.free_order() == [2, 3, 1, 0]
     c = make_req([7, 7, 7, 7]).seqs[0]
     compute(mgr, c)  # takes 2 (evicting a's cached tail block) and 3: the prefix 0, 1 survives
     assert mgr.block_table(c) == [2, 3]
