@@ -34,6 +34,8 @@ CHECKPOINTS = {
     ),
     "qwen2": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.2)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=4096, initializer_range=0.2)),
+    # Long context for the chunked-prefill tests.
+    "llama-long": ("llama", dict(initializer_range=0.2, max_position_embeddings=8192)),
 }
 
 

@@ -106,6 +106,8 @@ class SchedulerStats:
     num_swap_outs: int = 0
     num_recomputes: int = 0
     num_steps: int = 0
+    # Prefill chunks that stopped short of the prompt's end (chunked prefill at work).
+    num_partial_prefills: int = 0
     # SLA attainment: finished (not aborted) requests that had targets, and those that met them.
     sla_finished: int = 0
     sla_met: int = 0
@@ -293,6 +295,8 @@ class Scheduler:
             if hi > lo:
                 lp_range = (lo, hi)
         sample = end == seq.num_tokens
+        if not sample:
+            self.stats.num_partial_prefills += 1
         return ScheduledSeq(
             seq=seq,
             start=start,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 from pagellm.core.sequence import Request
 from pagellm.engine.llm_engine import LLMEngine, PromptType
@@ -110,7 +110,7 @@ class AsyncLLMEngine:
 
     # -------------------------------------------------------------- requests
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0, **options: Any
     ) -> RequestStream:
         """Validate (ValueError on bad input) and queue; QueueFullError when the waiting queue is full."""
         if not self.is_running:
@@ -121,7 +121,7 @@ class AsyncLLMEngine:
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.engine.make_request(request_id, prompt, params, priority=priority)
+        request = self.engine.make_request(request_id, prompt, params, priority=priority, **options)
         stream = RequestStream(request, self)
         self._streams[request_id] = stream
         self._pending_adds.append(request)

@@ -48,6 +48,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    sla_attainment: Optional[float] = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -338,6 +339,7 @@ class LLMEngine:
             num_preemptions=sched.stats.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            sla_attainment=sched.stats.sla_attainment,
         )
 
     # ----------------------------------------------------------- prefix cache

@@ -43,6 +43,8 @@ class EngineMetrics:
         self.throughput = gauge(
             "pagellm_generation_throughput", f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s"
         )
+        self.sla = gauge("pagellm_sla_attainment",
+                         "Share of finished requests with latency targets that met them (sla policy)")
         self.pc_queries = counter("pagellm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.pc_hits = counter("pagellm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prompt_tokens = counter("pagellm_prompt_tokens", "Prompt tokens of finished requests")
@@ -123,6 +125,8 @@ class EngineMetrics:
         self._l(self.blocks_util).set(stats.kv_cache_usage)
         self._l(self.kv_util).set(stats.kv_cache_utilization)
         self._l(self.pending).set(stats.num_waiting + pending)
+        if stats.sla_attainment is not None:
+            self._l(self.sla).set(stats.sla_attainment)
         tokens = sum(n for _, n in self._window)
         self._l(self.throughput).set(tokens / THROUGHPUT_WINDOW_S)
         if stats.num_preemptions > self._last_preemptions:

@@ -64,11 +64,13 @@ class LLM:
         prompts: Union[PromptType, Seq[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
         use_tqdm: bool = True,
+        priority: Optional[Seq[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
-        ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt.
+        ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt;
+        ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -81,7 +83,10 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt"
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: give one per prompt")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(
         self,
@@ -99,13 +104,14 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             priorities: Optional[list[int]] = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities or [0] * len(ids)):
+                engine.add_request(rid, prompt, p, priority=prio)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # a bad prompt queues nothing of its batch

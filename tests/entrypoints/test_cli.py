@@ -38,3 +38,17 @@ def test_bad_flags_exit_non_zero_with_a_message(llama_path, tmp_path):
     assert r.returncode == 2 and "top_p must be a number in (0, 1]" in r.stderr
     r = subprocess.run(cmd + ["--dtype", "int4", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_scheduler_and_sharing_flags():
+    args = build_parser().parse_args([
+        "serve", "/some/model", "--scheduler-policy", "priority", "--swap-space", "0.5", "--preemption-mode",
+        "recompute", "--default-ttft-slo", "0.2", "--default-tpot-slo", "0.05", "--prefill-chunk-size", "128",
+        "--no-enable-prefix-caching", "--max-waiting-requests", "7", "--api-key", "k",
+    ])
+    ea = EngineArgs.from_cli_args(args)
+    assert (ea.scheduling_policy, ea.swap_space, ea.preemption_mode) == ("priority", 0.5, "recompute")
+    assert (ea.default_ttft_slo, ea.default_tpot_slo, ea.prefill_chunk_size) == (0.2, 0.05, 128)
+    assert ea.enable_prefix_caching is False
+    assert (args.model_tag, args.max_waiting_requests, args.api_key) == ("/some/model", 7, "k")
+    assert build_parser().parse_args(["serve", "--scheduling-policy", "sla"]).scheduling_policy == "sla"

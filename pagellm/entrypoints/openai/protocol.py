@@ -49,6 +49,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: Optional[str] = None
+    ttft_slo: Optional[float] = None  # seconds, for --scheduling-policy sla
+    tpot_slo: Optional[float] = None
 
     def sampling_params(self, max_tokens: Optional[int], **extra: Any) -> SamplingParams:
         """Raises ValueError naming the field on an invalid value."""

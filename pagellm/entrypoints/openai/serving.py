@@ -86,7 +86,8 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": req.cache_salt}
-                streams.append(self.engine.add_request(rid, prompt, params, priority=req.priority))
+                streams.append(self.engine.add_request(rid, prompt, params, priority=req.priority,
+                                                       ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo))
         except QueueFullError as e:
             for s in streams:
                 s.abort()

@@ -1,0 +1,100 @@
+"""Scheduler features on the real engine: chunked prefill, swap and recompute give identical tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
+from tests.helpers import assert_all_blocks_free, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([20, 90, 9, 50, 120, 12], vocab=500, seed=13)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_path, prompts):
+    free = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4,
+               enable_chunked_prefill=False, enable_prefix_caching=False)
+    outs = free.generate(prompts, GREEDY, use_tqdm=False)
+    stats = free.llm_engine.scheduler.stats
+    assert stats.num_preemptions == 0 and stats.num_partial_prefills == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_gives_the_same_tokens(llama_path, prompts, expected):
+    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_by_swap_or_recompute_gives_the_same_tokens(llama_path, prompts, expected, mode, caplog):
+    # 45 blocks of 4 = 180 slots: the six requests need ~460 at peak.
+    llm = LLM(str(llama_path), max_model_len=180, num_kv_blocks=45, block_size=4, preemption_mode=mode,
+              swap_space=0.05, max_num_batched_tokens=64)
+    with caplog.at_level(logging.INFO, logger="pagellm.core.scheduler"):
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.llm_engine.scheduler.stats
+    if mode == "swap":
+        assert stats.num_swap_outs > 0 and stats.num_recomputes == 0
+    else:
+        assert stats.num_recomputes > 0 and stats.num_swap_outs == 0
+    assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preempt ")]
+    assert len(lines) == stats.num_preemptions
+    assert f"mode={mode}" in lines[0] and "kv_usage_before=" in lines[0] and "request_id=" in lines[0]
+    assert_all_blocks_free(llm)
+    cpu = llm.llm_engine.kv_cache_manager.cpu_pool
+    assert cpu.num_free_blocks == cpu.num_blocks
+
+
+def test_long_prompt_prefills_in_chunks_while_running_requests_decode_every_step(checkpoints):
+    engine = LLMEngine(EngineArgs(model=str(checkpoints["llama-long"]), max_model_len=4200, num_kv_blocks=400,
+                                  max_num_batched_tokens=512))
+    p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts([10] * 8, vocab=500, seed=1)):
+        engine.add_request(f"run{i}", prompt, p)
+    engine.step()  # the 8 are running
+    (long,) = random_prompts([4000], vocab=500, seed=2)
+    request = engine.add_request("long", long, SamplingParams(max_tokens=1))
+    steps = 0
+    while not request.seqs[0].output_token_ids:
+        outs = engine.step()
+        steps += 1
+        got = {o.request_id for o in outs}
+        assert {f"run{i}" for i in range(8)} <= got  # each running request got a token this step
+    assert steps == -(-4000 // (512 - 8))  # 504-token chunks beside the 8 decodes
+    assert engine.scheduler.stats.num_partial_prefills >= steps - 1
+    engine.abort_request([f"run{i}" for i in range(8)])
+    assert engine.kv_cache_manager.num_free_blocks == 400
+
+
+def test_priority_policy_serves_the_urgent_request_first(llama_path):
+    llm = LLM(str(llama_path), max_model_len=128, num_kv_blocks=64, scheduling_policy="priority", max_num_seqs=1)
+    prompts = ["first", "second", "third"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False, priority=[5, 5, 0])
+    # One seat: "third" (priority 0) is served before "second", although it arrived later.
+    assert outs[2].metrics.first_token_time < outs[1].metrics.first_token_time
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate(prompts, use_tqdm=False, priority=[1, 2])
+
+
+def test_scheduler_flags_are_validated(llama_path):
+    with pytest.raises(ValueError, match="scheduling_policy .* must be fcfs, priority or sla"):
+        EngineArgs(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="preemption_mode 'swap' needs a swap pool"):
+        EngineArgs(preemption_mode="swap", swap_space=0)
+    with pytest.raises(ValueError, match="default_ttft_slo .* positive number of seconds"):
+        EngineArgs(default_ttft_slo=-1)
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
+    with pytest.raises(ValueError, match="ttft_slo must be a positive number"):
+        engine.add_request("x", "hi", ttft_slo=0)
