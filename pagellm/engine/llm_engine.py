@@ -22,6 +22,7 @@ from pagellm.model.registry import model_class_for
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagellm.worker.cpu_tuning import keep_freed_memory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
 
@@ -73,6 +74,8 @@ class LLMEngine:
         self.model_config = config = loader.load_config(folder)
         model_class_for(getattr(config, "architectures", None))  # fail fast, before any heavy loading
         self.device = loader.resolve_device(args.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = loader.resolve_dtype(args.dtype, folder, self.device)
         self.max_model_len = self._resolve_max_model_len(config)
         torch.manual_seed(args.seed)
