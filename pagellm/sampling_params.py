@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request yields: every step's cumulative state, or only the final one."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 # Below this, temperature means greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -46,6 +54,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by validation: the normalised forms the engine uses.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -117,6 +126,8 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
                 raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                 _is_int(k) and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()

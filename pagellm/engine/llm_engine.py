@@ -20,7 +20,7 @@ from pagellm.model import loader
 from pagellm.model.llama import head_dim_of, sliding_window_of
 from pagellm.model.registry import model_class_for
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagellm.worker.cpu_tuning import keep_freed_memory
 from pagellm.worker.model_runner import ModelRunner
@@ -33,6 +33,18 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class StepRecord:
+    """One engine step, for benchmarks: its wall time and the shape of its batch."""
+
+    seconds: float
+    num_decode_seqs: int  # sequences that computed exactly one token
+    num_prefill_tokens: int  # tokens of prompts (or recomputes) computed
+    context_tokens: int  # K/V entries the decodes attended over
+    kv_blocks_in_use: int = 0
+    kv_fragmentation: float = 0.0  # allocated but unused slots / allocated slots, after the step
 
 
 @dataclass
@@ -140,6 +152,8 @@ class LLMEngine:
             self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config)
         )
         self.requests: dict[str, Request] = {}
+        # Set to a list to record a StepRecord per step (benchmarks); None costs nothing.
+        self.step_log: Optional[list[StepRecord]] = None
         if args.preload_prompts:
             self.preload_prefixes(args.preload_prompts)
 
@@ -418,16 +432,32 @@ class LLMEngine:
         if not sched.scheduled:  # only block moves this step (a swap-in issued ahead)
             self.model_runner.execute(sched)
             return []
+        t0 = time.perf_counter()
         result = self.model_runner.execute(sched)
+        if self.step_log is not None:
+            decodes = [it for it in sched.scheduled if it.num_new_tokens == 1]
+            self.step_log.append(StepRecord(
+                seconds=time.perf_counter() - t0,
+                num_decode_seqs=len(decodes),
+                num_prefill_tokens=sum(it.num_new_tokens for it in sched.scheduled) - len(decodes),
+                context_tokens=sum(it.start + 1 for it in decodes),
+            ))
         touched = self.scheduler.update(sched, result)
+        if self.step_log is not None:
+            kv = self.kv_cache_stats()
+            self.step_log[-1].kv_blocks_in_use = kv.in_use_blocks
+            self.step_log[-1].kv_fragmentation = kv.internal_fragmentation
         progressed: dict[str, Request] = {}
         for seq in touched:
             self._detokenize(seq)
             progressed[seq.request.request_id] = seq.request
         outputs = []
         for rid, request in progressed.items():
-            outputs.append(self._make_output(request))
-            if request.is_finished:
+            finished = request.is_finished
+            # FINAL_ONLY requests (the offline LLM's) skip building an output every step.
+            if finished or request.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(request))
+            if finished:
                 self.requests.pop(rid, None)
         return outputs
 

@@ -64,6 +64,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pagellm.bench import memory, serve, throughput
+
+    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, serve, memory")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    throughput.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
+    memory.add_parser(bench_sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -72,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.entrypoints.openai.api_server import add_serve_parser
 
     add_serve_parser(sub)
+    _add_bench(sub)
     return parser
 
 

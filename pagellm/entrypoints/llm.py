@@ -13,7 +13,7 @@ from pagellm.core.kv_cache_manager import KVCacheStats
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -111,7 +111,8 @@ class LLM:
         added: list[str] = []
         try:
             for rid, prompt, p, prio in zip(ids, prompts, params, priorities or [0] * len(ids)):
-                engine.add_request(rid, prompt, p, priority=prio)
+                # Only final outputs are returned: the engine need not build one every step.
+                engine.add_request(rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=prio)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # a bad prompt queues nothing of its batch

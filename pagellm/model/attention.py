@@ -1,8 +1,9 @@
 """Paged attention in PyTorch: write K/V into slots, attend over block tables.
 
 A step's flat batch holds the decode tokens first (one per sequence), then each
-prefill (or prefill chunk) as a run of tokens. Decodes are attended to in one
-padded, batched call; each prefill attends over its new tokens plus the context
+prefill (or prefill chunk) as a run of tokens. Decodes come in groups of similar
+context length (so that padding to the longest wastes little), each group attended
+to in one batched call; each prefill attends over its new tokens plus the context
 already cached for it.
 """
 
@@ -26,13 +27,55 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes ``[start, start + num)`` of the flat batch, padded to a common context length.
+
+    ``rows`` index the pool viewed as (token-head rows, head_dim) so that one ``index_select``
+    yields keys (or values) as (num, num_kv_heads, ctx, head_dim); computed once per step and
+    shared by every layer.
+    """
+
+    start: int
+    num: int
+    ctx: int
+    rows: torch.Tensor  # (num * num_kv_heads * ctx,) int64
+    mask: torch.Tensor  # (num, ctx) bool: True where a key may be attended
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
-    num_decode_tokens: int = 0
-    decode_block_tables: Optional[torch.Tensor] = None  # (num_decodes, max_blocks) int64
-    decode_context_lens: Optional[torch.Tensor] = None  # (num_decodes,) int64
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(g.num for g in self.decode_groups)
+
+
+def gather_rows(tables: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Row ids, in (seq, head, token) order, of the pool viewed as (blocks * block_size * heads, head_dim).
+
+    ``tables``: (num_seqs, max_blocks) block ids. Selecting these rows writes K/V head-major,
+    the layout the attention matmuls want, with no second copy to transpose it.
+    """
+    n = tables.shape[0]
+    dev = tables.device
+    token = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=dev)).view(n, 1, -1)
+    return (token * num_kv_heads + torch.arange(num_kv_heads, device=dev).view(1, -1, 1)).view(-1)
+
+
+def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
+                 sliding_window: Optional[int]) -> DecodeGroup:
+    num, max_blocks = tables.shape
+    ctx = max_blocks * block_size
+    key_pos = torch.arange(ctx, device=tables.device).unsqueeze(0)
+    lens = context_lens.unsqueeze(1)
+    mask = key_pos < lens
+    if sliding_window is not None:
+        mask &= key_pos > lens - 1 - sliding_window
+    return DecodeGroup(start, num, ctx, gather_rows(tables, block_size, num_kv_heads), mask)
 
 
 def write_kv(
@@ -46,25 +89,10 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of a sequence: (num_kv_heads, length, head_dim)."""
-    return gather_heads(cache, block_table.view(1, -1))[0, :, :length]
-
-
-def gather_heads(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Block tables -> each sequence's keys (or values) head-major: (num_seqs, num_kv_heads, ctx, head_dim).
-
-    ``tables``: (num_seqs, max_blocks) block ids; ``ctx = max_blocks * block_size``. One
-    ``index_select`` over (token, head) rows of the pool writes the layout the attention
-    matmuls want, so there is no second copy to transpose it (and no advanced indexing, which
-    copies element-wise and is several times slower on CPU).
-    """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    n, max_blocks = tables.shape
-    dev = tables.device
-    # row of (block b, offset o, head h) in the pool viewed as (num_blocks * block_size * heads, head_dim)
-    token = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=dev)).view(n, 1, -1)
-    rows = token * num_kv_heads + torch.arange(num_kv_heads, device=dev).view(1, -1, 1)
-    out = cache.view(-1, head_dim).index_select(0, rows.view(-1))
-    return out.view(n, num_kv_heads, max_blocks * block_size, head_dim)
+    rows = gather_rows(block_table.view(1, -1), block_size, num_kv_heads)
+    out = cache.view(-1, head_dim).index_select(0, rows)
+    return out.view(num_kv_heads, -1, head_dim)[:, :length]
 
 
 def decode_attention(
@@ -106,18 +134,14 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     window = meta.sliding_window
 
-    nd = meta.num_decode_tokens
-    if nd:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        tables = meta.decode_block_tables
-        keys = gather_heads(k_cache, tables)  # (num_decodes, num_kv_heads, max_len, head_dim)
-        values = gather_heads(v_cache, tables)
-        key_pos = torch.arange(keys.shape[2], device=q.device).unsqueeze(0)
-        lens = meta.decode_context_lens.unsqueeze(1)
-        mask = key_pos < lens  # (num_decodes, max_len)
-        if window is not None:
-            mask &= key_pos > lens - 1 - window
-        out[:nd] = decode_attention(q[:nd], keys, values, mask, scale).to(q.dtype)
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    for g in meta.decode_groups:
+        # One index_select each (not advanced indexing, which copies element-wise): head-major K/V.
+        keys = k_rows.index_select(0, g.rows).view(g.num, num_kv_heads, g.ctx, head_dim)
+        values = v_rows.index_select(0, g.rows).view(g.num, num_kv_heads, g.ctx, head_dim)
+        sl = slice(g.start, g.start + g.num)
+        out[sl] = decode_attention(q[sl], keys, values, g.mask, scale).to(q.dtype)
 
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)

@@ -8,7 +8,7 @@ import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Sequence
-from pagellm.model.attention import AttentionMetadata, PrefillSpan
+from pagellm.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_group
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -27,10 +27,31 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = cache_engine.block_size
+        self.num_kv_heads = cache_engine.kv_caches[0][0].shape[2]
         self.sliding_window = sliding_window
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    # A decode group is cut where a sequence's blocks fall below this share of the group's longest:
+    # padding then wastes at most 1 - share of the gathered K/V.
+    GROUP_SHARE = 0.75
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) into groups of similar length, each padded to its longest."""
+        groups = []
+        start = 0
+        while start < len(tables):
+            width = len(tables[start])
+            end = start + 1
+            while end < len(tables) and len(tables[end]) >= self.GROUP_SHARE * width:
+                end += 1
+            # Pad with block 0: padded positions are masked by the context length.
+            padded = self._tensor([t + [0] * (width - len(t)) for t in tables[start:end]])
+            groups.append(decode_group(start, padded, self._tensor(lens[start:end]), self.block_size,
+                                       self.num_kv_heads, self.sliding_window))
+            start = end
+        return groups
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -43,8 +64,8 @@ class ModelRunner:
         if not sched.scheduled:
             return result
         bs = self.block_size
-        # Decodes first: they form one contiguous run attended to in a single batched call.
-        items = sorted(sched.scheduled, key=lambda it: it.num_new_tokens != 1)
+        # Decodes first, longest context first: groups of similar length are contiguous runs.
+        items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -81,12 +102,7 @@ class ModelRunner:
                 lp_owner.append((it, hi - lo))
 
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills, sliding_window=self.sliding_window)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            # Pad with block 0: padded positions are masked by the context length.
-            meta.num_decode_tokens = len(decode_tables)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            meta.decode_context_lens = self._tensor(decode_lens)
+        meta.decode_groups = self._decode_groups(decode_tables, decode_lens)
 
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from typing import Optional
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagellm.entrypoints.openai.launch import free_port, wait_healthy
 
 
 class RemoteServer:
@@ -32,18 +27,11 @@ class RemoteServer:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagellm-server-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not start in {timeout}s:\n{self.log()}")
+        try:
+            wait_healthy(self.url, self.proc, timeout)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.log()}") from e
 
     @property
     def headers(self) -> dict[str, str]:

@@ -1,0 +1,173 @@
+"""The same workload on each backend: pagellm, and transformers three ways (the peers)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagellm.bench.workloads import Workload
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("pagellm", "hf", "hf-batched", "hf-cb")
+HF_BATCH_SIZES = (8, 16, 32, 64)
+
+
+@dataclass
+class BackendResult:
+    backend: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    detail: dict[str, Any] = field(default_factory=dict)
+    skipped: Optional[str] = None  # why the backend did not run
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s if self.elapsed_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "elapsed_s": self.elapsed_s, "num_requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "requests_per_s": self.requests_per_s, "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s, "detail": self.detail, "skipped": self.skipped,
+        }
+
+
+def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any]) -> tuple[BackendResult, Any]:
+    """Run on pagellm; returns the result and the LLM (its step log feeds the roofline)."""
+    from pagellm import LLM, SamplingParams
+
+    longest = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    kwargs = {"max_model_len": longest, "dtype": dtype, **engine_kwargs}
+    llm = LLM(str(model), **kwargs)
+    params = [SamplingParams(n=workload.n, temperature=1.0 if workload.n > 1 else 0.0, seed=i, max_tokens=o,
+                             ignore_eos=True) for i, o in enumerate(workload.output_lens)]
+    llm.generate(workload.prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    llm.llm_engine.step_log = []
+    t0 = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    got = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    assert got == workload.output_tokens, f"pagellm produced {got} tokens, expected {workload.output_tokens}"
+    ttfts = [o.metrics.time_to_first_token for o in outs]
+    stats = llm.kv_cache_stats()
+    detail = {
+        "ttft_mean_s": sum(ttfts) / len(ttfts),
+        "steps": len(llm.llm_engine.step_log),
+        "preemptions": llm.llm_engine.scheduler.stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "peak_kv_blocks": stats.peak_in_use_blocks,
+    }
+    return BackendResult("pagellm", elapsed, workload.num_requests, workload.prompt_tokens, got, detail), llm
+
+
+def _hf_model(model: Path, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).eval()
+    hf.generation_config.eos_token_id = None  # like ignore_eos: every request yields exactly its length
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def run_hf(model: Path, workload: Workload, dtype: str) -> BackendResult:
+    """transformers ``generate``, one request at a time."""
+    hf = _hf_model(model, dtype)
+    produced = 0
+    with torch.inference_mode():
+        hf.generate(torch.tensor([workload.prompts[0][:8]]), max_new_tokens=2, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        for prompt, out_len in zip(workload.prompts, workload.output_lens):
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                              do_sample=workload.n > 1, num_return_sequences=workload.n)
+            produced += (out.shape[1] - len(prompt)) * out.shape[0]
+        elapsed = time.perf_counter() - t0
+    return BackendResult("hf", elapsed, workload.num_requests, workload.prompt_tokens, produced)
+
+
+def run_hf_batched(model: Path, workload: Workload, dtype: str,
+                   batch_sizes: tuple[int, ...] = HF_BATCH_SIZES) -> BackendResult:
+    """transformers ``generate`` in static, left-padded batches; the best of ``batch_sizes``.
+
+    A batch runs until its longest request is done; only the tokens each request asked
+    for count as output (the rest is the waste static batching pays).
+    """
+    hf = _hf_model(model, dtype)
+    per_size: dict[int, float] = {}
+    with torch.inference_mode():
+        for bs in batch_sizes:
+            if bs > workload.num_requests and per_size:
+                break
+            t0 = time.perf_counter()
+            for start in range(0, workload.num_requests, bs):
+                prompts = workload.prompts[start:start + bs]
+                longest = max(len(p) for p in prompts)
+                ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, p in enumerate(prompts):
+                    ids[i, longest - len(p):] = torch.tensor(p)
+                    mask[i, longest - len(p):] = 1
+                new = max(workload.output_lens[start:start + bs])
+                hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                            do_sample=workload.n > 1, num_return_sequences=workload.n)
+            per_size[bs] = time.perf_counter() - t0
+    best = min(per_size, key=lambda b: per_size[b])
+    return BackendResult("hf-batched", per_size[best], workload.num_requests, workload.prompt_tokens,
+                         workload.output_tokens, detail={"best_batch_size": best,
+                                                         "elapsed_by_batch_size": per_size})
+
+
+def run_hf_cb(model: Path, workload: Workload, dtype: str) -> BackendResult:
+    """transformers' own continuous batching (``generate_batch``'s manager), where installed."""
+    import transformers
+
+    hf = _hf_model(model, dtype)
+    if not hasattr(hf, "continuous_batching_context_manager"):
+        return BackendResult("hf-cb", 0.0, workload.num_requests, workload.prompt_tokens, 0,
+                             skipped=f"transformers {transformers.__version__} has no continuous batching")
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=workload.n > 1, eos_token_id=None, pad_token_id=0,
+                           max_new_tokens=max(workload.output_lens), num_return_sequences=workload.n)
+    try:
+        with torch.inference_mode(), hf.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=5
+        ) as manager:
+            t0 = time.perf_counter()
+            for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
+            produced, done = 0, 0
+            while done < workload.num_requests * workload.n:
+                result = manager.get_result(timeout=5)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' continuous batching thread stopped")
+                    continue
+                if result.is_finished():
+                    done += 1
+                    produced += len(result.generated_tokens)
+            elapsed = time.perf_counter() - t0
+    except Exception as e:  # a peer failing must not sink the whole benchmark
+        logger.warning("hf-cb failed: %s", e)
+        return BackendResult("hf-cb", 0.0, workload.num_requests, workload.prompt_tokens, 0,
+                             skipped=f"transformers continuous batching failed: {e}")
+    return BackendResult("hf-cb", elapsed, workload.num_requests, workload.prompt_tokens, produced,
+                         detail={"transformers": transformers.__version__})

@@ -1,0 +1,104 @@
+"""This machine's limits, and how close pagellm's decode steps come to them.
+
+A decode step must at least read every weight once and every attended K/V entry once,
+and do 2 FLOPs per weight per token plus the attention FLOPs. Its roofline time is the
+larger of (bytes / memory bandwidth) and (FLOPs / matmul rate); efficiency is roofline
+time over measured time, summed over the pure-decode steps of a run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MachineLimits:
+    matmul_tflops_bf16: float
+    matmul_tflops_fp32: float
+    copy_bandwidth_gbs: float  # bytes read + written per second by a large copy
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _best_time(fn: Any, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_machine(size: int = 2048, copy_bytes: int = 1 << 30, repeat: int = 3) -> MachineLimits:
+    """Matmul rate (``torch.matmul`` at ``size``) in bf16 and fp32, and a large copy's bandwidth."""
+    rates = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(size, size, dtype=dtype)
+        b = torch.randn(size, size, dtype=dtype)
+        rates[dtype] = 2 * size**3 / _best_time(lambda: torch.matmul(a, b), repeat) / 1e12
+    src = torch.empty(copy_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)  # touched first: page faults are not bandwidth
+    seconds = _best_time(lambda: dst.copy_(src), repeat)
+    return MachineLimits(rates[torch.bfloat16], rates[torch.float32], 2 * copy_bytes / seconds / 1e9)
+
+
+@dataclass
+class ModelCost:
+    weight_bytes: int  # read every decode step (layers + LM head)
+    flops_per_token: int  # 2 per weight
+    kv_bytes_per_token: int  # K and V of every layer
+    attn_flops_per_context_token: int  # q.k and p.v over one cached token, every layer
+    embed_row_bytes: int
+
+
+def model_cost(llm: Any) -> ModelCost:
+    engine = llm.llm_engine
+    cfg = engine.model_config
+    element = torch.tensor([], dtype=engine.dtype).element_size()
+    model = engine.model
+    embed = model.embed_tokens.weight
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
+    if model.tie_word_embeddings:
+        weights += embed.numel()  # the tied LM head reads the whole table
+    layers = cfg.num_hidden_layers
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelCost(
+        weight_bytes=weights * element,
+        flops_per_token=2 * weights,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * element,
+        attn_flops_per_context_token=4 * layers * cfg.num_attention_heads * head_dim,
+        embed_row_bytes=cfg.hidden_size * element,
+    )
+
+
+def decode_efficiency(llm: Any, limits: MachineLimits) -> dict[str, Any]:
+    """Roofline vs measured time over the run's pure-decode steps (no prefill tokens)."""
+    cost = model_cost(llm)
+    rate = limits.matmul_tflops_bf16 if llm.llm_engine.dtype == torch.bfloat16 else limits.matmul_tflops_fp32
+    steps = [s for s in (llm.llm_engine.step_log or []) if s.num_prefill_tokens == 0 and s.num_decode_seqs]
+    measured = roofline = 0.0
+    batch_sizes = []
+    for s in steps:
+        bytes_moved = (cost.weight_bytes + s.num_decode_seqs * cost.embed_row_bytes
+                       + s.context_tokens * cost.kv_bytes_per_token)
+        flops = s.num_decode_seqs * cost.flops_per_token + s.context_tokens * cost.attn_flops_per_context_token
+        roofline += max(bytes_moved / (limits.copy_bandwidth_gbs * 1e9), flops / (rate * 1e12))
+        measured += s.seconds
+        batch_sizes.append(s.num_decode_seqs)
+    return {
+        "decode_steps": len(steps),
+        "decode_measured_s": measured,
+        "decode_roofline_s": roofline,
+        "decode_efficiency": roofline / measured if measured else 0.0,
+        "mean_decode_batch": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+        "max_decode_batch": max(batch_sizes, default=0),
+        "weight_bytes": cost.weight_bytes,
+        "kv_bytes_per_token": cost.kv_bytes_per_token,
+    }

@@ -1,0 +1,209 @@
+"""`pagellm bench serve`: an online load generator for any OpenAI-compatible completions endpoint.
+
+Poisson arrivals at ``--request-rate`` (or all at once with ``inf``), at most
+``--max-concurrency`` in flight; reports TTFT, TPOT ((latency - TTFT) / (tokens - 1)),
+inter-token latency and end-to-end latency (mean, median, p99), throughput and goodput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+from pagellm.bench.report import append_markdown_row, line_plot, write_json
+from pagellm.bench.throughput import add_common_args, build_workload, resolve_model
+from pagellm.bench.workloads import Workload
+
+
+@dataclass
+class RequestTrace:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+                      headers: dict[str, str], ignore_eos: bool) -> RequestTrace:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    trace = RequestTrace(ok=False, prompt_tokens=len(prompt))
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                trace.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return trace
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if trace.ttft == 0.0:
+                        trace.ttft = now - t0
+                    else:
+                        trace.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    trace.output_tokens = chunk["usage"]["completion_tokens"]
+        trace.latency = time.perf_counter() - t0
+        trace.ok = True
+    except httpx.HTTPError as e:
+        trace.error = str(e)
+    return trace
+
+
+async def run_load(base_url: str, model: str, workload: Workload, rate: float, max_concurrency: Optional[int],
+                   headers: dict[str, str], ignore_eos: bool, seed: int) -> tuple[list[RequestTrace], float]:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(max_concurrency or len(workload.prompts))
+    url = base_url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async def limited(prompt: list[int], out: int) -> RequestTrace:
+            async with sem:
+                return await one_request(client, url, model, prompt, out, headers, ignore_eos)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt, out in zip(workload.prompts, workload.output_lens):
+            tasks.append(asyncio.create_task(limited(prompt, out)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        traces = await asyncio.gather(*tasks)
+        return list(traces), time.perf_counter() - t0
+
+
+def summarize(traces: list[RequestTrace], duration: float, goodput: dict[str, float]) -> dict[str, Any]:
+    ok = [t for t in traces if t.ok]
+
+    def stats(values: list[float]) -> dict[str, float]:
+        if not values:
+            return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+        vs = sorted(values)
+        return {"mean_ms": 1000 * statistics.mean(vs), "median_ms": 1000 * statistics.median(vs),
+                "p99_ms": 1000 * vs[min(len(vs) - 1, int(0.99 * len(vs)))]}
+
+    good = [t for t in ok if t.ttft * 1000 <= goodput.get("ttft", float("inf"))
+            and (t.tpot is None or t.tpot * 1000 <= goodput.get("tpot", float("inf")))
+            and t.latency * 1000 <= goodput.get("e2el", float("inf"))]
+    out_tokens = sum(t.output_tokens for t in ok)
+    return {
+        "completed": len(ok), "failed": len(traces) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(t.prompt_tokens for t in ok)) / duration,
+        "goodput_requests_per_s": len(good) / duration if goodput else None,
+        "ttft": stats([t.ttft for t in ok]), "tpot": stats([t.tpot for t in ok if t.tpot is not None]),
+        "itl": stats([x for t in ok for x in t.itl]), "e2el": stats([t.latency for t in ok]),
+        "errors": sorted({t.error for t in traces if t.error})[:5],
+    }
+
+
+def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        out[key] = float(value)
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="online latency and throughput against an OpenAI-compatible server")
+    add_common_args(p)
+    p.add_argument("--base-url", default=None, help="server to load (default: launch `pagellm serve` on the model)")
+    p.add_argument("--served-model-name", default=None, help="the model name the server expects")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="requests/s (Poisson); several values run one after the other; inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
+    p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
+    p.add_argument("--label", default="pagellm", help="name of the server in the results")
+    p.set_defaults(func=run)
+
+
+def _launch(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    from pagellm.entrypoints.openai.launch import free_port, wait_healthy
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", args.dtype,
+           "--kv-cache-memory", args.kv_cache_memory, "--block-size", str(args.block_size)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    model, model_name = resolve_model(args)
+    workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
+    goodput = parse_goodput(args.goodput)
+    proc = None
+    base_url = args.base_url
+    if base_url is None:
+        proc, base_url = _launch(str(model), args)
+    served = args.served_model_name or (str(model) if args.base_url is None else model_name)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    results = {}
+    try:
+        for rate in args.request_rate:
+            traces, duration = asyncio.run(run_load(base_url, served, workload, rate, args.max_concurrency, headers,
+                                                    not args.no_ignore_eos, args.seed))
+            summary = summarize(traces, duration, goodput)
+            results[str(rate)] = summary
+            print(f"[{args.label}] rate {rate}: {summary['completed']} ok, {summary['failed']} failed in "
+                  f"{duration:.1f} s; {summary['request_throughput']:.2f} req/s, "
+                  f"{summary['output_token_throughput']:.1f} out tok/s")
+            for key in ("ttft", "tpot", "itl", "e2el"):
+                s = summary[key]
+                print(f"    {key.upper():5} mean {s['mean_ms']:8.1f} ms  median {s['median_ms']:8.1f} ms  "
+                      f"p99 {s['p99_ms']:8.1f} ms")
+            if goodput:
+                print(f"    goodput {summary['goodput_requests_per_s']:.2f} req/s under {goodput}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    out = args.output_dir
+    stem = f"serve-{args.label}-{workload.name}-{model_name}"
+    print(f"wrote {write_json(out / f'{stem}.json', {'command': 'serve', 'label': args.label, 'model': model_name, 'workload': workload.name, 'goodput_slo_ms': goodput, 'results': results})}")
+    for rate, s in results.items():
+        append_markdown_row(
+            out / "serve.md",
+            ["date", "server", "workload", "model", "rate", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+             "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms"],
+            [time.strftime("%Y-%m-%d"), args.label, workload.name, model_name, rate, s["request_throughput"],
+             s["output_token_throughput"], s["ttft"]["median_ms"], s["ttft"]["p99_ms"], s["tpot"]["median_ms"],
+             s["itl"]["median_ms"], s["e2el"]["median_ms"]],
+        )
+    rates = [float(r) for r in results]
+    finite = [r if r != float("inf") else max([x for x in rates if x != float("inf")], default=1.0) * 2 for r in rates]
+    line_plot(out / f"{stem}-latency.png",
+              {f"{k} {q}": (finite, [results[r][k][f"{q}_ms"] for r in results])
+               for k in ("ttft", "tpot") for q in ("median", "p99")},
+              "request rate (req/s; inf plotted at 2x the largest)", "ms", f"latency by request rate ({args.label})")
+    return 0

@@ -1,0 +1,156 @@
+"""`pagellm bench throughput`: offline throughput of pagellm and its peers on the same requests."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench import backends as be
+from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, write_json
+from pagellm.bench.roofline import decode_efficiency, measure_machine
+from pagellm.bench.workloads import (
+    MODEL_PRESETS, Workload, bench_model_path, parallel_workload, random_workload, shared_prefix_workload,
+)
+
+DEFAULT_OUTPUT = Path("benchmarks/results")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: a random-weight --model-preset)")
+    p.add_argument("--model-preset", default="w1-llama", choices=list(MODEL_PRESETS))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel"))
+    p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens every prompt starts with")
+    p.add_argument("--n", type=int, default=4, help="parallel: samples per prompt")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT)
+
+
+def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    prompt, output = tuple(args.prompt_len), tuple(args.output_len)
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(args.num_prompts, args.prefix_len, prompt, output, vocab, args.seed)
+    if args.workload == "parallel":
+        return parallel_workload(args.num_prompts, args.n, prompt, output, vocab, args.seed)
+    return random_workload(args.num_prompts, prompt, output, vocab, args.seed, name="random")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    if args.model:
+        return Path(args.model), Path(args.model).name
+    return bench_model_path(args.model_preset, args.dtype), args.model_preset
+
+
+def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    kw = {"block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
+          **extra}
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kw
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput against transformers (hf, hf-batched, hf-cb)")
+    add_common_args(p)
+    p.add_argument("--backend", action="append", choices=be.BACKENDS, default=None,
+                   help="repeatable; default: all of " + ", ".join(be.BACKENDS))
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    model, model_name = resolve_model(args)
+    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
+    workload = build_workload(args, vocab)
+    backends = args.backend or list(be.BACKENDS)
+    print(f"workload {workload.name}: {workload.num_requests} requests x n={workload.n}, "
+          f"{workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens; model {model_name} "
+          f"({args.dtype})")
+    limits = measure_machine()
+    print(f"machine: bf16 matmul {limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, fp32 "
+          f"{limits.matmul_tflops_fp32 * 1000:.0f} GFLOP/s, copy bandwidth {limits.copy_bandwidth_gbs:.1f} GB/s")
+    results: dict[str, be.BackendResult] = {}
+    roofline: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for name in backends:
+        t0 = time.perf_counter()
+        if name == "pagellm":
+            res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
+            roofline = decode_efficiency(llm, limits)
+            if workload.name == "shared-prefix":
+                off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False))
+                extra["ttft_mean_s_prefix_cache"] = res.detail["ttft_mean_s"]
+                extra["ttft_mean_s_no_prefix_cache"] = off.detail["ttft_mean_s"]
+                extra["ttft_speedup_from_prefix_cache"] = off.detail["ttft_mean_s"] / res.detail["ttft_mean_s"]
+                results["pagellm-no-prefix-cache"] = off
+            del llm
+        elif name == "hf":
+            res = be.run_hf(model, workload, args.dtype)
+        elif name == "hf-batched":
+            res = be.run_hf_batched(model, workload, args.dtype, tuple(args.hf_batch_sizes))
+        else:
+            res = be.run_hf_cb(model, workload, args.dtype)
+        results[res.backend] = res
+        took = time.perf_counter() - t0
+        note = f" (skipped: {res.skipped})" if res.skipped else ""
+        print(f"  ran {name} in {took:.1f} s{note}")
+    ours = results.get("pagellm")
+    print(f"\n{'backend':26}{'req/s':>9}{'out tok/s':>12}{'total tok/s':>13}{'pagellm x':>11}")
+    for name, r in results.items():
+        if r.skipped:
+            print(f"{name:26}{'skipped: ' + r.skipped}")
+            continue
+        x = ratio(ours.output_tokens_per_s, r.output_tokens_per_s) if ours else None
+        print(f"{name:26}{r.requests_per_s:>9.2f}{r.output_tokens_per_s:>12.1f}{r.total_tokens_per_s:>13.1f}"
+              f"{(f'{x:.2f}x' if x else '-'):>11}")
+    if roofline:
+        print(f"\ndecode: {roofline['decode_steps']} pure-decode steps, mean batch {roofline['mean_decode_batch']:.1f}; "
+              f"roofline {roofline['decode_roofline_s']:.2f} s vs measured {roofline['decode_measured_s']:.2f} s: "
+              f"efficiency {roofline['decode_efficiency']:.0%}")
+    if extra:
+        print(f"shared prefix: TTFT {extra['ttft_mean_s_no_prefix_cache']:.3f} s without the prefix cache, "
+              f"{extra['ttft_mean_s_prefix_cache']:.3f} s with it ({extra['ttft_speedup_from_prefix_cache']:.1f}x lower)")
+    stem = f"throughput-{workload.name}-{model_name}"
+    payload = {
+        "command": "throughput", "model": model_name, "dtype": args.dtype,
+        "workload": {"name": workload.name, "num_requests": workload.num_requests, "n": workload.n,
+                     "prompt_tokens": workload.prompt_tokens, "output_tokens": workload.output_tokens,
+                     **workload.meta},
+        "machine_limits": limits.as_dict(), "results": {k: v.as_dict() for k, v in results.items()},
+        "ratios_output_tokens_per_s": {k: ratio(ours.output_tokens_per_s, v.output_tokens_per_s)
+                                       for k, v in results.items() if ours and not v.skipped and k != "pagellm"},
+        "decode_roofline": roofline, **extra,
+    }
+    out = args.output_dir
+    print(f"\nwrote {write_json(out / f'{stem}.json', payload)}")
+    ran = [r for r in results.values() if not r.skipped]
+    append_markdown_row(
+        out / "throughput.md",
+        ["date", "workload", "model", "dtype", *[f"{r.backend} out tok/s" for r in ran], "decode efficiency"],
+        [time.strftime("%Y-%m-%d"), workload.name, model_name, args.dtype, *[r.output_tokens_per_s for r in ran],
+         f"{roofline.get('decode_efficiency', 0):.0%}"],
+    )
+    bar_plot(out / f"{stem}.png", [r.backend for r in ran], [r.output_tokens_per_s for r in ran],
+             "output tokens/s", f"{workload.name} on {model_name} ({args.dtype})")
+    return 0
+
+
+def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Path:
+    times, usage = [], []
+    t = 0.0
+    for s in step_log:
+        t += s.seconds
+        times.append(t)
+        usage.append(s.kv_blocks_in_use / num_blocks)
+    return line_plot(path, {"KV blocks in use": (times, usage)}, "time (s)", "fraction of the pool", title)

@@ -1,0 +1,108 @@
+"""Benchmark workloads and the random-weight models they run on."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.model.default_model import build_tokenizer, cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Model shapes (random weights). `w1-llama` is workload W1's model; `qwen2-0.5b` has Qwen2-0.5B's shape.
+MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-llama": ("llama", dict(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4)),
+    "w1-llama": ("llama", dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                               num_attention_heads=8, num_key_value_heads=8)),
+    "qwen2-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def bench_model_path(preset: str, dtype: str = "bfloat16") -> Path:
+    """A saved random-weight checkpoint of ``preset`` (built once, cached), readable by every backend."""
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    target = cache_dir() / "bench" / f"{preset}-{dtype}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    arch, shape = MODEL_PRESETS[preset]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent))
+    try:
+        tokenizer = build_tokenizer(tmp)
+        config = config_cls(max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+        torch.manual_seed(0)
+        model = model_cls(config).to(getattr(torch, dtype))
+        model.save_pretrained(str(tmp))
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built benchmark model %s at %s", preset, target)
+    return target
+
+
+@dataclass
+class Workload:
+    """Requests as token ids with exact output lengths (every backend ignores EOS)."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    n: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens) * self.n
+
+
+def random_workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                    seed: int = 0, name: str = "random") -> Workload:
+    """Prompt and output lengths uniform in the (inclusive) ranges, random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    plens = torch.randint(prompt_range[0], prompt_range[1] + 1, (num,), generator=g).tolist()
+    olens = torch.randint(output_range[0], output_range[1] + 1, (num,), generator=g).tolist()
+    # Skip the few special ids at the bottom of the vocabulary.
+    prompts = [torch.randint(4, vocab, (p,), generator=g).tolist() for p in plens]
+    return Workload(name, prompts, olens, meta={"prompt_range": list(prompt_range), "output_range": list(output_range),
+                                                "seed": seed})
+
+
+def shared_prefix_workload(num: int, prefix_len: int, suffix_range: tuple[int, int], output_range: tuple[int, int],
+                           vocab: int, seed: int = 0) -> Workload:
+    """Every prompt starts with the same ``prefix_len`` tokens (a system prompt)."""
+    base = random_workload(num, suffix_range, output_range, vocab, seed, name="shared-prefix")
+    g = torch.Generator().manual_seed(seed + 1)
+    prefix = torch.randint(4, vocab, (prefix_len,), generator=g).tolist()
+    base.prompts = [prefix + p for p in base.prompts]
+    base.meta["prefix_len"] = prefix_len
+    return base
+
+
+def parallel_workload(num: int, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                      seed: int = 0) -> Workload:
+    """``n`` samples per prompt (parallel sampling)."""
+    base = random_workload(num, prompt_range, output_range, vocab, seed, name=f"parallel-n{n}")
+    base.n = n
+    base.meta["n"] = n
+    return base
