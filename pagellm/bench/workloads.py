@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pagellm.model.default_model import build_tokenizer, cache_dir
+from pagellm.model.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +26,36 @@ MODEL_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def build_word_tokenizer(folder: Path, vocab_size: int) -> Any:
+    """A word-level tokenizer with one word per model token id, saved to ``folder``.
+
+    Random token ids then always decode to text, so streams carry a chunk per token and
+    detokenisation costs what it would with a real tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(special)}
+    vocab.update({f"w{i}": i for i in range(len(special), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
 def bench_model_path(preset: str, dtype: str = "bfloat16") -> Path:
     """A saved random-weight checkpoint of ``preset`` (built once, cached), readable by every backend."""
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
     target = cache_dir() / "bench" / f"{preset}-{dtype}"
     if (target / "config.json").is_file():
+        if not (target / ".word-tokenizer").exists():  # built before the word-level tokenizer: upgrade it
+            build_word_tokenizer(target, MODEL_PRESETS[preset][1]["vocab_size"])
+            (target / ".word-tokenizer").touch()
         return target
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -40,7 +64,8 @@ def bench_model_path(preset: str, dtype: str = "bfloat16") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        tokenizer = build_tokenizer(tmp)
+        tokenizer = build_word_tokenizer(tmp, shape["vocab_size"])
+        (tmp / ".word-tokenizer").touch()
         config = config_cls(max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
         torch.manual_seed(0)

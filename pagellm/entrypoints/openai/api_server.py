@@ -91,17 +91,17 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         raw = await request.body()
     except BodyTooLarge:
-        raise APIError(413, "the request body is larger than the server's limit; send less")
+        raise APIError(413, "the request body is larger than the server's limit; send less") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the body is not valid UTF-8 (byte {e.start}): send UTF-8 encoded JSON")
+        raise APIError(400, f"the body is not valid UTF-8 (byte {e.start}): send UTF-8 encoded JSON") from e
     if not text.strip():
         raise APIError(400, "the body is empty: send a JSON object")
     try:
         return model.model_validate_json(text)
     except ValidationError as e:
-        raise from_validation_error(e)
+        raise from_validation_error(e) from e
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,

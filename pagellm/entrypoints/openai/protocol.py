@@ -59,7 +59,9 @@ class SamplingFields(StrictModel):
             try:
                 bias = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {list(self.logit_bias)}")
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers as strings), got {list(self.logit_bias)}"
+                ) from None
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -91,11 +91,11 @@ class OpenAIServing:
         except QueueFullError as e:
             for s in streams:
                 s.abort()
-            raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except ValueError as e:
             for s in streams:
                 s.abort()
-            raise from_value_error(e)
+            raise from_value_error(e) from e
         return Job(streams, [ids for _, ids in prompts], [t for t, _ in prompts], params)
 
     async def _merged(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -182,7 +182,7 @@ class OpenAIServing:
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             )
         except ValueError as e:
-            raise from_value_error(e)
+            raise from_value_error(e) from e
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens)
         job = self._start(prompts, params, req, "cmpl")
@@ -216,7 +216,7 @@ class OpenAIServing:
             try:
                 text, ids = self.llm.tokenize_prompt(item)
             except ValueError as e:
-                raise APIError(400, str(e), param="prompt")
+                raise APIError(400, str(e), param="prompt") from e
             out.append((text if text is not None else self.tokenizer.decode(ids), ids))
         return out
 
@@ -318,7 +318,7 @@ class OpenAIServing:
         try:
             return self.llm.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages")
+            raise APIError(400, str(e), param="messages") from e
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
@@ -335,7 +335,7 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens=max_tokens,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         except ValueError as e:
-            raise from_value_error(e)
+            raise from_value_error(e) from e
         self._check_length(len(ids), params.max_tokens, what="messages")
         job = self._start([(self.tokenizer.decode(ids), ids)], params, req, "chatcmpl")
         created = int(time.time())
