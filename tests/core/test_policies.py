@@ -8,27 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import ModelRunnerOutput, SampleResult, Scheduler, SchedulerConfig
+from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request, SequenceStatus
 from pagellm.sampling_params import SamplingParams
+from tests.core.fake_model import FakeClock, fake_step, run_to_end
 
 _ids = itertools.count()
-
-
-class StepClock:
-    """Simulated time: every engine step takes one second."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(policy="fcfs", num_blocks=200, block_size=4, budget=64, max_seqs=8, max_len=128, cpu_blocks=0,
          mode="auto", **cfg):
     config = SchedulerConfig(budget, max_seqs, max_len, scheduling_policy=policy, preemption_mode=mode, **cfg)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks), clock=StepClock())
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks), clock=FakeClock())
 
 
 def req(prompt_len, max_tokens, arrival=0.0, priority=0, ttft_slo=None, tpot_slo=None):
@@ -37,24 +28,12 @@ def req(prompt_len, max_tokens, arrival=0.0, priority=0, ttft_slo=None, tpot_slo
 
 
 def step(sched: Scheduler):
-    out = sched.schedule()
-    res = ModelRunnerOutput()
-    for item in out.scheduled:
-        if item.sample:
-            for s in (item.seq, *item.fork_children):
-                res.samples[s.seq_id] = SampleResult(1 + s.num_tokens % 50, -1.0)
-    sched.update(out, res)
-    sched.clock.t += 1.0
-    sched.kv_cache.assert_consistent()
-    return out
+    """One step of simulated time: every engine step takes one second."""
+    return fake_step(sched, tick=1.0)
 
 
 def run(sched: Scheduler, limit=2000):
-    for _ in range(limit):
-        if not sched.has_unfinished():
-            return
-        step(sched)
-    raise AssertionError("did not finish")
+    return run_to_end(sched, limit, tick=1.0)
 
 
 def test_priority_request_preempts_less_urgent_work_and_gets_a_token_fast():

@@ -8,19 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import ModelRunnerOutput, SampleResult, Scheduler, SchedulerConfig
+from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request, SequenceStatus
 from pagellm.sampling_params import SamplingParams
+from tests.core.fake_model import FakeClock, fake_step, run_to_end
 
 _ids = itertools.count()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=64, chunked=True):
@@ -33,28 +26,6 @@ def make_request(prompt_len, max_tokens=4, **kw):
         f"req{next(_ids)}", None, [5] * prompt_len,
         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), arrival_time=0.0,
     )
-
-
-def fake_step(sched: Scheduler):
-    """One step with a fake model whose next token is the position (never EOS)."""
-    out = sched.schedule()
-    res = ModelRunnerOutput()
-    for item in out.scheduled:
-        if item.sample:
-            for seq in (item.seq, *item.fork_children):
-                res.samples[seq.seq_id] = SampleResult(token_id=1 + seq.num_tokens % 50, logprob=-1.0)
-    sched.update(out, res)
-    sched.kv_cache.assert_consistent()
-    return out
-
-
-def run_to_end(sched: Scheduler, limit=1000):
-    outs = []
-    for _ in range(limit):
-        if not sched.has_unfinished():
-            return outs
-        outs.append(fake_step(sched))
-    raise AssertionError("scheduler did not finish: loop or deadlock")
 
 
 def test_running_first_then_waiting_and_mixed_prefill_decode():
