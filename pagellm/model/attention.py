@@ -40,6 +40,10 @@ class DecodeGroup:
     ctx: int
     rows: torch.Tensor  # (num * num_kv_heads * ctx,) int64
     mask: torch.Tensor  # (num, ctx) bool: True where a key may be attended
+    # The rows again, once per query head (grouped-query heads share their KV head's rows), and
+    # where each (sequence, query head) bag of ``ctx`` rows starts: for the embedding_bag below.
+    value_rows: torch.Tensor  # (num * num_heads * ctx,) int64
+    offsets: torch.Tensor  # (num * num_heads,) int64
 
 
 @dataclass
@@ -67,15 +71,20 @@ def gather_rows(tables: torch.Tensor, block_size: int, num_kv_heads: int) -> tor
 
 
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
-                 sliding_window: Optional[int]) -> DecodeGroup:
+                 num_heads: int, sliding_window: Optional[int]) -> DecodeGroup:
     num, max_blocks = tables.shape
     ctx = max_blocks * block_size
-    key_pos = torch.arange(ctx, device=tables.device).unsqueeze(0)
+    dev = tables.device
+    key_pos = torch.arange(ctx, device=dev).unsqueeze(0)
     lens = context_lens.unsqueeze(1)
     mask = key_pos < lens
     if sliding_window is not None:
         mask &= key_pos > lens - 1 - sliding_window
-    return DecodeGroup(start, num, ctx, gather_rows(tables, block_size, num_kv_heads), mask)
+    rows = gather_rows(tables, block_size, num_kv_heads)
+    group = num_heads // num_kv_heads
+    value_rows = rows.view(num, num_kv_heads, 1, ctx).expand(num, num_kv_heads, group, ctx).reshape(-1)
+    offsets = torch.arange(0, num * num_heads * ctx, ctx, device=dev)
+    return DecodeGroup(start, num, ctx, rows, mask, value_rows, offsets)
 
 
 def write_kv(
@@ -96,24 +105,27 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, keys: torch.Tensor, v_rows: torch.Tensor, g: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """One query token per sequence over its padded context, grouped-query aware.
 
-    q: (num_seqs, num_heads, head_dim); keys, values: (num_seqs, num_kv_heads, ctx, head_dim);
-    mask: (num_seqs, ctx), True where a key may be attended. Returns (num_seqs, num_heads, head_dim).
+    q: (num, num_heads, head_dim); keys: (num, num_kv_heads, ctx, head_dim), gathered;
+    v_rows: the value pool as (rows, head_dim). Returns (num, num_heads, head_dim).
 
-    Two batched matmuls and a float32 softmax (as transformers' eager attention does): on CPU
-    this is several times faster than SDPA with a padding mask for one query per sequence.
+    Scores are one batched matmul with a float32 softmax (as transformers' eager attention);
+    the weighted sum of values is an ``embedding_bag``, which reads each value row straight
+    from the pool: no gathered copy of V. On CPU both are several times faster than SDPA
+    with a padding mask for one query per sequence.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     qg = q.view(n, num_kv_heads, group, head_dim).to(keys.dtype)  # (n, kv_heads, group, head_dim)
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # (n, kv_heads, group, ctx)
-    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(n, num_heads, head_dim)
+    scores.masked_fill_(~g.mask[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v_rows.dtype)
+    out = F.embedding_bag(g.value_rows, v_rows, g.offsets, mode="sum", per_sample_weights=probs.reshape(-1))
+    return out.view(n, num_heads, head_dim)
 
 
 def paged_attention(
@@ -137,11 +149,10 @@ def paged_attention(
     num_kv_heads, head_dim = k_cache.shape[2:]
     k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
     for g in meta.decode_groups:
-        # One index_select each (not advanced indexing, which copies element-wise): head-major K/V.
+        # One index_select (not advanced indexing, which copies element-wise): head-major keys.
         keys = k_rows.index_select(0, g.rows).view(g.num, num_kv_heads, g.ctx, head_dim)
-        values = v_rows.index_select(0, g.rows).view(g.num, num_kv_heads, g.ctx, head_dim)
         sl = slice(g.start, g.start + g.num)
-        out[sl] = decode_attention(q[sl], keys, values, g.mask, scale).to(q.dtype)
+        out[sl] = decode_attention(q[sl], keys, v_rows, g, scale).to(q.dtype)
 
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)

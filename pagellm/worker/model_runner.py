@@ -28,6 +28,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_engine.block_size
         self.num_kv_heads = cache_engine.kv_caches[0][0].shape[2]
+        self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
@@ -49,7 +50,7 @@ class ModelRunner:
             # Pad with block 0: padded positions are masked by the context length.
             padded = self._tensor([t + [0] * (width - len(t)) for t in tables[start:end]])
             groups.append(decode_group(start, padded, self._tensor(lens[start:end]), self.block_size,
-                                       self.num_kv_heads, self.sliding_window))
+                                       self.num_kv_heads, self.num_heads, self.sliding_window))
             start = end
         return groups
 
