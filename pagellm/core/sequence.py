@@ -71,8 +71,10 @@ class Sequence:
         # Prefix-cache hit of the first admission, in tokens (RequestOutput.num_cached_tokens).
         self.num_cached_tokens = 0
         self.was_admitted = False
-        # Detokenizer state, owned by the engine layer.
+        # Engine-owned state: the detokenizer, and output_logprobs already converted for outputs
+        # (converted once each, so a long stream with logprobs costs linear, not quadratic, work).
         self.detok: Any = None
+        self.logprobs_out: list[Any] = []
         self.text = ""
 
     @property
@@ -98,10 +100,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
@@ -139,6 +137,7 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     # Prompt logprobs per prompt position (None for the first), filled during prefill.
     prompt_logprobs: list[Optional[dict[int, tuple[float, int]]]] = field(default_factory=list)
+    prompt_logprobs_out: list[Any] = field(default_factory=list)  # converted by the engine, as above
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

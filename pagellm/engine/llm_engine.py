@@ -484,12 +484,14 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
 
     # --------------------------------------------------------------- outputs
-    def _logprobs(self, entries: list[Optional[TokenLogprobs]]) -> list[Optional[dict[int, Logprob]]]:
+    def _logprobs(
+        self, entries: list[Optional[TokenLogprobs]], converted: list[Any]
+    ) -> list[Optional[dict[int, Logprob]]]:
+        """``entries`` as Logprob dicts; ``converted`` caches earlier calls, so each entry is decoded once."""
         decode = self.tokenizer.decode
-        return [
-            None if e is None else {t: Logprob(lp, rank, decode([t])) for t, (lp, rank) in e.items()}
-            for e in entries
-        ]
+        for e in entries[len(converted):]:
+            converted.append(None if e is None else {t: Logprob(lp, rank, decode([t])) for t, (lp, rank) in e.items()})
+        return list(converted)
 
     def _make_output(self, request: Request) -> RequestOutput:
         params = request.sampling_params
@@ -504,7 +506,8 @@ class LLMEngine:
                     text=seq.text,
                     token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=self._logprobs(seq.output_logprobs) if params.logprobs is not None else None,  # type: ignore[arg-type]
+                    logprobs=(self._logprobs(seq.output_logprobs, seq.logprobs_out)  # type: ignore[arg-type]
+                              if params.logprobs is not None else None),
                     finish_reason=seq.status.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -514,7 +517,8 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=self._logprobs(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
+            prompt_logprobs=(self._logprobs(request.prompt_logprobs, request.prompt_logprobs_out)
+                             if request.wants_prompt_logprobs else None),
             outputs=completions,
             finished=request.is_finished,
             metrics=RequestMetrics(**vars(m)),

@@ -53,10 +53,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(g.num for g in self.decode_groups)
-
 
 def gather_rows(tables: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
     """Row ids, in (seq, head, token) order, of the pool viewed as (blocks * block_size * heads, head_dim).

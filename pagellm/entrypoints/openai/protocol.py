@@ -20,7 +20,6 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class SamplingFields(StrictModel):
@@ -98,11 +97,6 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
-
-
-class TextPart(StrictModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -34,6 +34,7 @@ class ChoiceState:
 
     text_sent: int = 0
     tokens_sent: int = 0
+    logprob_offset: int = 0  # text_offset where the next logprob token starts
     started: bool = False
     finished: bool = False
 
@@ -273,14 +274,14 @@ class OpenAIServing:
                 delta = visible[st.text_sent:]
                 echo_text = (out.prompt or "") if req.echo and not st.started else ""
                 logprobs = None
-                if req.logprobs is not None:
-                    new_tokens = len(c.token_ids) - st.tokens_sent
-                    if new_tokens or echo_text:
-                        lp = self._completion_logprobs(out, c, req.echo and not st.started, False,
-                                                       text_start=0, token_start=0)
-                        keep = (len(out.prompt_token_ids) if req.echo and not st.started else 0) + new_tokens
-                        logprobs = {k: v[len(v) - keep:] for k, v in lp.items()}
-                        st.tokens_sent = len(c.token_ids)
+                if req.logprobs is not None and (len(c.token_ids) > st.tokens_sent or echo_text):
+                    # Only the tokens not sent yet (the prompt's too, in the first chunk of an echo).
+                    first_echo = bool(echo_text)
+                    logprobs = self._completion_logprobs(out, c, first_echo, False, text_start=st.logprob_offset,
+                                                         token_start=0 if first_echo else st.tokens_sent)
+                    if logprobs["tokens"]:
+                        st.logprob_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    st.tokens_sent = len(c.token_ids)
                 finish = c.finish_reason
                 if not (delta or echo_text or finish or logprobs):
                     continue

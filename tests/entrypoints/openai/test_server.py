@@ -96,6 +96,20 @@ def test_completion_logprobs_and_echo_with_prompt_logprobs(client):
     assert len(both.choices[0].logprobs.tokens) == n_prompt + 3
 
 
+def test_streamed_logprobs_equal_the_non_streamed_ones(client):
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].logprobs
+    tokens, lps, offsets = [], [], []
+    for ch in client.completions.create(stream=True, **kw):
+        if ch.choices and ch.choices[0].logprobs:
+            tokens += ch.choices[0].logprobs.tokens
+            lps += ch.choices[0].logprobs.token_logprobs
+            offsets += ch.choices[0].logprobs.text_offset
+    assert tokens == plain.tokens and offsets == plain.text_offset
+    assert lps[0] is None and lps[1:] == pytest.approx(plain.token_logprobs[1:], abs=1e-5)
+
+
 def test_stop_strings_streamed_and_not(client):
     base = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
