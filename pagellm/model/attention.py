@@ -1,5 +1,12 @@
 """Paged attention in PyTorch: write K/V into slots, attend over block tables.
 
+Cache layout (per layer): values ``[num_blocks, block_size, num_kv_heads, head_dim]``; keys are stored
+transposed, ``[num_blocks, num_kv_heads, head_dim, block_size]`` (as vLLM's paged-attention kernels
+store them). In that layout one (block, head) is a ``head_dim x block_size`` matrix, so a query's
+scores for the block are a weighted sum of its ``head_dim`` rows with the query as weights: an
+``embedding_bag`` that reads the keys straight from the pool. Values are likewise summed straight
+from the pool with the attention probabilities as weights. Decode therefore never copies K or V.
+
 A step's flat batch holds the decode tokens first (one per sequence), then each
 prefill (or prefill chunk) as a run of tokens. Decodes come in groups of similar
 context length (so that padding to the longest wastes little), each group attended
@@ -30,44 +37,35 @@ class PrefillSpan:
 class DecodeGroup:
     """Decodes ``[start, start + num)`` of the flat batch, padded to a common context length.
 
-    ``rows`` index the pool viewed as (token-head rows, head_dim) so that one ``index_select``
-    yields keys (or values) as (num, num_kv_heads, ctx, head_dim); computed once per step and
-    shared by every layer.
+    The row ids are computed once per step and shared by every layer (all layers have the same
+    block tables). Grouped-query heads share their KV head's rows.
     """
 
     start: int
     num: int
-    ctx: int
-    rows: torch.Tensor  # (num * num_kv_heads * ctx,) int64
+    ctx: int  # padded context: max_blocks * block_size
     mask: torch.Tensor  # (num, ctx) bool: True where a key may be attended
-    # The rows again, once per query head (grouped-query heads share their KV head's rows), and
-    # where each (sequence, query head) bag of ``ctx`` rows starts: for the embedding_bag below.
-    value_rows: torch.Tensor  # (num * num_heads * ctx,) int64
-    offsets: torch.Tensor  # (num * num_heads,) int64
+    # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
+    # rows per (sequence, query head, block).
+    key_rows: torch.Tensor  # (num * num_heads * max_blocks, head_dim) int64
+    # Values viewed as (num_blocks * block_size * num_kv_heads, head_dim) rows: one bag of ctx rows
+    # per (sequence, query head).
+    value_rows: torch.Tensor  # (num * num_heads, ctx) int64
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V goes
+    slot_blocks: torch.Tensor  # (num_tokens,) int64: slot_mapping // block_size
+    slot_offsets: torch.Tensor  # (num_tokens,) int64: slot_mapping % block_size
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
 
 
-def gather_rows(tables: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
-    """Row ids, in (seq, head, token) order, of the pool viewed as (blocks * block_size * heads, head_dim).
-
-    ``tables``: (num_seqs, max_blocks) block ids. Selecting these rows writes K/V head-major,
-    the layout the attention matmuls want, with no second copy to transpose it.
-    """
-    n = tables.shape[0]
-    dev = tables.device
-    token = (tables.unsqueeze(-1) * block_size + torch.arange(block_size, device=dev)).view(n, 1, -1)
-    return (token * num_kv_heads + torch.arange(num_kv_heads, device=dev).view(1, -1, 1)).view(-1)
-
-
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
-                 num_heads: int, sliding_window: Optional[int]) -> DecodeGroup:
+                 head_dim: int, num_heads: int, sliding_window: Optional[int]) -> DecodeGroup:
+    """``tables``: (num, max_blocks) block ids, padded with any valid id; ``context_lens``: (num,)."""
     num, max_blocks = tables.shape
     ctx = max_blocks * block_size
     dev = tables.device
@@ -76,51 +74,61 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
     mask = key_pos < lens
     if sliding_window is not None:
         mask &= key_pos > lens - 1 - sliding_window
-    rows = gather_rows(tables, block_size, num_kv_heads)
-    group = num_heads // num_kv_heads
-    value_rows = rows.view(num, num_kv_heads, 1, ctx).expand(num, num_kv_heads, group, ctx).reshape(-1)
-    offsets = torch.arange(0, num * num_heads * ctx, ctx, device=dev)
-    return DecodeGroup(start, num, ctx, rows, mask, value_rows, offsets)
+    # The KV head each query head reads.
+    kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)  # (num_heads,)
+    blocks = tables.view(num, 1, max_blocks, 1)
+    heads = kv_head.view(1, num_heads, 1, 1)
+    key_rows = (blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)
+    tokens = (tables.view(num, 1, max_blocks, 1) * block_size + torch.arange(block_size, device=dev)).view(num, 1, ctx)
+    value_rows = tokens * num_kv_heads + kv_head.view(1, num_heads, 1)
+    return DecodeGroup(start, num, ctx, mask, key_rows.view(-1, head_dim), value_rows.view(-1, ctx))
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Store each token's K/V at its slot. k, v: (num_tokens, num_kv_heads, head_dim)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    num_kv_heads, head_dim = v_cache.shape[-2:]
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    # The transposed key pool seen token-major, (num_blocks, block_size, kv_heads, head_dim): a view.
+    k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k.to(k_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of a sequence: (num_kv_heads, length, head_dim)."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    rows = gather_rows(block_table.view(1, -1), block_size, num_kv_heads)
-    out = cache.view(-1, head_dim).index_select(0, rows)
-    return out.view(num_kv_heads, -1, head_dim)[:, :length]
+def _gather_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` keys of a sequence: (num_kv_heads, length, head_dim)."""
+    num_blocks, num_kv_heads, head_dim, block_size = k_cache.shape
+    blocks = k_cache.index_select(0, block_table)  # (blocks, kv_heads, head_dim, block_size)
+    return blocks.permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)[:, :length]
+
+
+def _gather_values(v_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` values of a sequence: (num_kv_heads, length, head_dim)."""
+    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
+    blocks = v_cache.index_select(0, block_table)  # (blocks, block_size, kv_heads, head_dim)
+    return blocks.view(-1, num_kv_heads, head_dim)[:length].transpose(0, 1)
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, v_rows: torch.Tensor, g: DecodeGroup, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """One query token per sequence over its padded context, grouped-query aware.
 
-    q: (num, num_heads, head_dim); keys: (num, num_kv_heads, ctx, head_dim), gathered;
-    v_rows: the value pool as (rows, head_dim). Returns (num, num_heads, head_dim).
-
-    Scores are one batched matmul with a float32 softmax (as transformers' eager attention);
-    the weighted sum of values is an ``embedding_bag``, which reads each value row straight
-    from the pool: no gathered copy of V. On CPU both are several times faster than SDPA
-    with a padding mask for one query per sequence.
+    q: (num, num_heads, head_dim); returns (num, num_heads, head_dim). Both sums read the pools in
+    place (``embedding_bag`` gathers and reduces in one pass); scores are softmaxed in float32, as in
+    transformers' eager attention. On CPU this is several times faster than gathering K/V for a
+    batched matmul or SDPA with a padding mask.
     """
     n, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
-    qg = q.view(n, num_kv_heads, group, head_dim).to(keys.dtype)  # (n, kv_heads, group, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # (n, kv_heads, group, ctx)
-    scores.masked_fill_(~g.mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v_rows.dtype)
-    out = F.embedding_bag(g.value_rows, v_rows, g.offsets, mode="sum", per_sample_weights=probs.reshape(-1))
+    block_size = k_cache.shape[-1]
+    max_blocks = g.ctx // block_size
+    # Scores of one block = sum over d of q[d] * (row d of the block's transposed keys).
+    weights = (q * scale).to(k_cache.dtype).unsqueeze(2).expand(n, num_heads, max_blocks, head_dim)
+    scores = F.embedding_bag(g.key_rows, k_cache.view(-1, block_size), mode="sum",
+                             per_sample_weights=weights.reshape(-1, head_dim))
+    scores = scores.view(n, num_heads, g.ctx).float()
+    scores.masked_fill_(~g.mask.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v_cache.dtype)
+    out = F.embedding_bag(g.value_rows, v_cache.view(-1, head_dim), mode="sum", per_sample_weights=probs.view(-1, g.ctx))
     return out.view(n, num_heads, head_dim)
 
 
@@ -137,18 +145,14 @@ def paged_attention(
 
     Returns (num_tokens, num_heads, head_dim).
     """
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     window = meta.sliding_window
 
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
     for g in meta.decode_groups:
-        # One index_select (not advanced indexing, which copies element-wise): head-major keys.
-        keys = k_rows.index_select(0, g.rows).view(g.num, num_kv_heads, g.ctx, head_dim)
         sl = slice(g.start, g.start + g.num)
-        out[sl] = decode_attention(q[sl], keys, v_rows, g, scale).to(q.dtype)
+        out[sl] = decode_attention(q[sl], k_cache, v_cache, g, scale).to(q.dtype)
 
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)
@@ -156,8 +160,8 @@ def paged_attention(
         if cached == 0 and k_cache.dtype == k.dtype:
             keys, values = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather
         else:
-            keys = _gather(k_cache, span.block_table, span.context_len)
-            values = _gather(v_cache, span.block_table, span.context_len)
+            keys = _gather_keys(k_cache, span.block_table, span.context_len)
+            values = _gather_values(v_cache, span.block_table, span.context_len)
         query = q[sl].transpose(0, 1).to(keys.dtype)  # (num_heads, q_len, head_dim)
         if cached == 0 and window is None:
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)

@@ -15,7 +15,7 @@ from torch import nn
 from pagellm.model.attention import AttentionMetadata, paged_attention
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (num_blocks, block_size, kv_heads, head_dim)
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): layouts in model/attention.py
 
 
 def head_dim_of(config: Any) -> int:

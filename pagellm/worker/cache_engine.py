@@ -11,8 +11,15 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
+def kv_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one layer's (K, V) pools. Keys are stored transposed per block (see model/attention.py)."""
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size, num_kv_heads, head_dim)
+
+
 class CacheEngine:
-    """Owns ``kv_caches[layer] = (k, v)``, each ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
+    """Owns ``kv_caches[layer] = (k, v)``: k ``(num_blocks, num_kv_heads, head_dim, block_size)``,
+    v ``(num_blocks, block_size, num_kv_heads, head_dim)``. Both are indexed by block id first, so
+    copies and swaps move whole blocks."""
 
     def __init__(
         self,
@@ -27,19 +34,19 @@ class CacheEngine:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeroed, not empty: padded decode gathers read unused slots, and NaN garbage
+        k_shape, v_shape = kv_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: padded decode positions read unused slots, and NaN garbage
         # there would leak through the masked softmax (0 * NaN = NaN).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
         # The swap pool in host memory. Left uninitialised: a block is only read after a swap-out
         # wrote it. Pinned on CUDA so that copies can overlap compute.
         pin = device.type == "cuda"
-        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        k_cpu, v_cpu = kv_shapes(num_cpu_blocks, block_size, num_kv_heads, head_dim)
         self.cpu_caches = [
-            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+            (torch.empty(k_cpu, dtype=dtype, pin_memory=pin), torch.empty(v_cpu, dtype=dtype, pin_memory=pin))
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
 

@@ -27,7 +27,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = cache_engine.block_size
-        self.num_kv_heads = cache_engine.kv_caches[0][0].shape[2]
+        self.num_kv_heads, self.head_dim = cache_engine.kv_caches[0][1].shape[2:]  # from the value pool
         self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
 
@@ -50,7 +50,7 @@ class ModelRunner:
             # Pad with block 0: padded positions are masked by the context length.
             padded = self._tensor([t + [0] * (width - len(t)) for t in tables[start:end]])
             groups.append(decode_group(start, padded, self._tensor(lens[start:end]), self.block_size,
-                                       self.num_kv_heads, self.num_heads, self.sliding_window))
+                                       self.num_kv_heads, self.head_dim, self.num_heads, self.sliding_window))
             start = end
         return groups
 
@@ -102,7 +102,9 @@ class ModelRunner:
                 lp_targets.extend(seq.prompt_token_ids[p + 1] for p in range(lo, hi))
                 lp_owner.append((it, hi - lo))
 
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills, sliding_window=self.sliding_window)
+        slot_mapping = self._tensor(slots)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs, slot_offsets=slot_mapping % bs,
+                                 prefills=prefills, sliding_window=self.sliding_window)
         meta.decode_groups = self._decode_groups(decode_tables, decode_lens)
 
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
