@@ -162,7 +162,10 @@ def paged_attention(
         else:
             keys = _gather_keys(k_cache, span.block_table, span.context_len)
             values = _gather_values(v_cache, span.block_table, span.context_len)
-        query = q[sl].transpose(0, 1).to(keys.dtype)  # (num_heads, q_len, head_dim)
+        # 4-D (batch of one): PyTorch's CPU flash-attention kernel only takes 4-D inputs; 3-D ones
+        # fall back to the unfused math path, twice as slow.
+        query = q[sl].transpose(0, 1).to(keys.dtype).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         if cached == 0 and window is None:
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
@@ -172,5 +175,5 @@ def paged_attention(
             if window is not None:
                 mask &= k_pos > q_pos - window
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[sl] = o.transpose(0, 1).to(q.dtype)
+        out[sl] = o[0].transpose(0, 1).to(q.dtype)
     return out

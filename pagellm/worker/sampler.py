@@ -47,22 +47,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits: (num_seqs, vocab) float32, one row per sequence in ``seqs``."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._process(logits.clone(), seqs)
+        raw = logits
         params = [s.params for s in seqs]
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        if any(_needs_processing(s) for s in seqs):
+            logits = self._process(logits.clone(), seqs)
+        greedy = [p.is_greedy for p in params]
         chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(greedy):
             sampled = self._sample(logits, seqs)
-            chosen = torch.where(greedy, chosen, sampled)
-        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            chosen = torch.where(torch.tensor(greedy, device=logits.device), chosen, sampled)
+        # The chosen tokens' logprobs (of the unprocessed distribution) without a full log_softmax.
+        chosen_lp = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)).tolist()
         tokens = chosen.tolist()
         results = [SampleResult(t, lp) for t, lp in zip(tokens, chosen_lp)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             num = max(params[i].logprobs or 0 for i in want)
             rows = torch.tensor(want, device=logits.device)
-            tops = top_logprobs(raw_logprobs[rows], num, chosen[rows])
+            tops = top_logprobs(torch.log_softmax(raw[rows], dim=-1), num, chosen[rows])
             for i, entry in zip(want, tops):
                 n_i = params[i].logprobs or 0
                 keep = {t: v for t, v in entry.items() if v[1] <= n_i or t == tokens[i]}
@@ -143,6 +145,13 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(seq.seed)
             self._seeded[seq.seq_id] = gen
         return gen
+
+
+def _needs_processing(seq: Sequence) -> bool:
+    """Whether any logits processor changes this sequence's logits this step."""
+    p = seq.params
+    return bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0 \
+        or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
