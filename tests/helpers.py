@@ -11,11 +11,11 @@ from pagellm import LLM
 
 
 @lru_cache(maxsize=8)
-def hf_model(path: Path):
+def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     """The transformers model for a checkpoint, with EOS handling off (pagellm runs with ignore_eos)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -31,9 +31,9 @@ def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return out[0, len(prompt_ids):].tolist()
 
 
-def hf_prompt_logprobs(path: Path, prompt_ids: list[int]) -> torch.Tensor:
+def hf_prompt_logprobs(path: Path, prompt_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(len - 1,) log-probability of each prompt token after the first."""
-    model = hf_model(path)
+    model = hf_model(path, dtype)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.model.packed_linear import pack_linear_layers
 from pagellm.model.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -137,4 +138,7 @@ def load_model(
         with torch.no_grad():
             model.load_weights(iterate_weights(folder))
     model.eval()
+    packed = pack_linear_layers(model, dtype, device)
+    if packed:
+        logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", packed)
     return model
