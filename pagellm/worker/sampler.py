@@ -56,15 +56,17 @@ class Sampler:
         if not all(greedy):
             sampled = self._sample(logits, seqs)
             chosen = torch.where(torch.tensor(greedy, device=logits.device), chosen, sampled)
-        # The chosen tokens' logprobs (of the unprocessed distribution) without a full log_softmax.
-        chosen_lp = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(raw, dim=-1)).tolist()
+        # The chosen tokens' logprobs, of the unprocessed distribution. (log_softmax + gather is
+        # faster on CPU than logsumexp, which makes several passes.)
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         tokens = chosen.tolist()
         results = [SampleResult(t, lp) for t, lp in zip(tokens, chosen_lp)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             num = max(params[i].logprobs or 0 for i in want)
             rows = torch.tensor(want, device=logits.device)
-            tops = top_logprobs(torch.log_softmax(raw[rows], dim=-1), num, chosen[rows])
+            tops = top_logprobs(raw_logprobs[rows], num, chosen[rows])
             for i, entry in zip(want, tops):
                 n_i = params[i].logprobs or 0
                 keep = {t: v for t, v in entry.items() if v[1] <= n_i or t == tokens[i]}
