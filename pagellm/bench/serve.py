@@ -3,6 +3,9 @@
 Poisson arrivals at ``--request-rate`` (or all at once with ``inf``), at most
 ``--max-concurrency`` in flight; reports TTFT, TPOT ((latency - TTFT) / (tokens - 1)),
 inter-token latency and end-to-end latency (mean, median, p99), throughput and goodput.
+
+``--server pagellm --server transformers`` launches each server in turn on the same model and
+sends both the same requests (prompts as text: the benchmark tokenizer round-trips exactly).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import httpx
@@ -40,13 +45,13 @@ class RequestTrace:
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-                      headers: dict[str, str], ignore_eos: bool) -> RequestTrace:
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      headers: dict[str, str], ignore_eos: bool, prompt_tokens: int) -> RequestTrace:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    trace = RequestTrace(ok=False, prompt_tokens=len(prompt))
+    trace = RequestTrace(ok=False, prompt_tokens=prompt_tokens)
     t0 = time.perf_counter()
     last = t0
     try:
@@ -59,7 +64,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                # A token arrived when a choice carries text (some servers end with an empty one).
+                if any(c.get("text") for c in chunk.get("choices") or []):
                     if trace.ttft == 0.0:
                         trace.ttft = now - t0
                     else:
@@ -74,20 +80,21 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return trace
 
 
-async def run_load(base_url: str, model: str, workload: Workload, rate: float, max_concurrency: Optional[int],
-                   headers: dict[str, str], ignore_eos: bool, seed: int) -> tuple[list[RequestTrace], float]:
+async def run_load(base_url: str, model: str, workload: Workload, prompts: list[str], rate: float,
+                   max_concurrency: Optional[int], headers: dict[str, str], ignore_eos: bool,
+                   seed: int) -> tuple[list[RequestTrace], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency or len(workload.prompts))
     url = base_url.rstrip("/") + "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        async def limited(prompt: list[int], out: int) -> RequestTrace:
+        async def limited(prompt: str, out: int, num_prompt_tokens: int) -> RequestTrace:
             async with sem:
-                return await one_request(client, url, model, prompt, out, headers, ignore_eos)
+                return await one_request(client, url, model, prompt, out, headers, ignore_eos, num_prompt_tokens)
 
         tasks = []
         t0 = time.perf_counter()
-        for prompt, out in zip(workload.prompts, workload.output_lens):
-            tasks.append(asyncio.create_task(limited(prompt, out)))
+        for prompt, ids, out in zip(prompts, workload.prompts, workload.output_lens):
+            tasks.append(asyncio.create_task(limited(prompt, out, len(ids))))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         traces = await asyncio.gather(*tasks)
@@ -132,7 +139,10 @@ def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="online latency and throughput against an OpenAI-compatible server")
     add_common_args(p)
-    p.add_argument("--base-url", default=None, help="server to load (default: launch `pagellm serve` on the model)")
+    p.add_argument("--server", action="append", choices=list(SERVERS), default=None,
+                   help="server to launch on the model; repeatable, each gets the same requests "
+                        "(default: pagellm; transformers = `transformers serve --continuous-batching`)")
+    p.add_argument("--base-url", default=None, help="load an already running server instead of launching one")
     p.add_argument("--served-model-name", default=None, help="the model name the server expects")
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
@@ -140,63 +150,75 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
-    p.add_argument("--label", default="pagellm", help="name of the server in the results")
+    p.add_argument("--label", default="external", help="name of the --base-url server in the results")
     p.set_defaults(func=run)
 
 
-def _launch(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _pagellm_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", args.dtype,
+            "--kv-cache-memory", args.kv_cache_memory, "--block-size", str(args.block_size)]
+
+
+def _transformers_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
+    # The console script installed beside this interpreter (needs `accelerate`, in the bench extra).
+    cli = str(Path(sys.executable).with_name("transformers"))
+    return [cli, "serve", model, "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+# name -> (launch command, accepts vLLM's ignore_eos extension)
+SERVERS: dict[str, tuple[Callable[[str, int, argparse.Namespace], list[str]], bool]] = {
+    "pagellm": (_pagellm_command, True),
+    "transformers": (_transformers_command, False),
+}
+
+
+def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     from pagellm.entrypoints.openai.launch import free_port, wait_healthy
 
     port = free_port()
-    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", args.dtype,
-           "--kv-cache-memory", args.kv_cache_memory, "--block-size", str(args.block_size)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(SERVERS[server][0](model, port, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     return proc, url
 
 
-def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    model, model_name = resolve_model(args)
-    workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
-    goodput = parse_goodput(args.goodput)
-    proc = None
-    base_url = args.base_url
-    if base_url is None:
-        proc, base_url = _launch(str(model), args)
-    served = args.served_model_name or (str(model) if args.base_url is None else model_name)
+def _load_server(label: str, base_url: str, served: str, workload: Workload, prompts: list[str],
+                 args: argparse.Namespace, goodput: dict[str, float], ignore_eos: bool) -> dict[str, Any]:
+    """Every ``--request-rate`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     results = {}
-    try:
-        for rate in args.request_rate:
-            traces, duration = asyncio.run(run_load(base_url, served, workload, rate, args.max_concurrency, headers,
-                                                    not args.no_ignore_eos, args.seed))
-            summary = summarize(traces, duration, goodput)
-            results[str(rate)] = summary
-            print(f"[{args.label}] rate {rate}: {summary['completed']} ok, {summary['failed']} failed in "
-                  f"{duration:.1f} s; {summary['request_throughput']:.2f} req/s, "
-                  f"{summary['output_token_throughput']:.1f} out tok/s")
-            for key in ("ttft", "tpot", "itl", "e2el"):
-                s = summary[key]
-                print(f"    {key.upper():5} mean {s['mean_ms']:8.1f} ms  median {s['median_ms']:8.1f} ms  "
-                      f"p99 {s['p99_ms']:8.1f} ms")
-            if goodput:
-                print(f"    goodput {summary['goodput_requests_per_s']:.2f} req/s under {goodput}")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
-    out = args.output_dir
-    stem = f"serve-{args.label}-{workload.name}-{model_name}"
-    print(f"wrote {write_json(out / f'{stem}.json', {'command': 'serve', 'label': args.label, 'model': model_name, 'workload': workload.name, 'goodput_slo_ms': goodput, 'results': results})}")
+    for rate in args.request_rate:
+        traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
+                                                headers, ignore_eos, args.seed))
+        summary = summarize(traces, duration, goodput)
+        results[str(rate)] = summary
+        print(f"[{label}] rate {rate}: {summary['completed']} ok, {summary['failed']} failed in "
+              f"{duration:.1f} s; {summary['request_throughput']:.2f} req/s, "
+              f"{summary['output_token_throughput']:.1f} out tok/s")
+        for key in ("ttft", "tpot", "itl", "e2el"):
+            st = summary[key]
+            print(f"    {key.upper():5} mean {st['mean_ms']:8.1f} ms  median {st['median_ms']:8.1f} ms  "
+                  f"p99 {st['p99_ms']:8.1f} ms")
+        if goodput:
+            print(f"    goodput {summary['goodput_requests_per_s']:.2f} req/s under {goodput}")
+        for err in summary["errors"]:
+            print(f"    error: {err}")
+    return results
+
+
+def _write_results(label: str, workload: Workload, model_name: str, goodput: dict[str, float],
+                   results: dict[str, Any], out: Path) -> None:
+    stem = f"serve-{label}-{workload.name}-{model_name}"
+    payload = {"command": "serve", "label": label, "model": model_name, "workload": workload.name,
+               "goodput_slo_ms": goodput, "results": results}
+    print(f"wrote {write_json(out / f'{stem}.json', payload)}")
     for rate, s in results.items():
         append_markdown_row(
             out / "serve.md",
             ["date", "server", "workload", "model", "rate", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
              "TPOT p50 ms", "ITL p50 ms", "E2E p50 ms"],
-            [time.strftime("%Y-%m-%d"), args.label, workload.name, model_name, rate, s["request_throughput"],
+            [time.strftime("%Y-%m-%d"), label, workload.name, model_name, rate, s["request_throughput"],
              s["output_token_throughput"], s["ttft"]["median_ms"], s["ttft"]["p99_ms"], s["tpot"]["median_ms"],
              s["itl"]["median_ms"], s["e2el"]["median_ms"]],
         )
@@ -205,5 +227,47 @@ def run(args: argparse.Namespace) -> int:
     line_plot(out / f"{stem}-latency.png",
               {f"{k} {q}": (finite, [results[r][k][f"{q}_ms"] for r in results])
                for k in ("ttft", "tpot") for q in ("median", "p99")},
-              "request rate (req/s; inf plotted at 2x the largest)", "ms", f"latency by request rate ({args.label})")
+              "request rate (req/s; inf plotted at 2x the largest)", "ms", f"latency by request rate ({label})")
+
+
+def _compare(all_results: dict[str, dict[str, Any]]) -> None:
+    """Print, per rate, each other server against the first (pagellm when launched)."""
+    (base, base_results), *others = all_results.items()
+    for label, results in others:
+        for rate, s in results.items():
+            b = base_results[rate]
+            ratio = b["output_token_throughput"] / max(s["output_token_throughput"], 1e-9)
+            print(f"rate {rate}: {base} {b['output_token_throughput']:.1f} out tok/s vs {label} "
+                  f"{s['output_token_throughput']:.1f} ({ratio:.1f}x); TTFT median {b['ttft']['median_ms']:.0f} vs "
+                  f"{s['ttft']['median_ms']:.0f} ms; TPOT median {b['tpot']['median_ms']:.0f} vs "
+                  f"{s['tpot']['median_ms']:.0f} ms")
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    model, model_name = resolve_model(args)
+    workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompts = [tokenizer.decode(p) for p in workload.prompts]
+    goodput = parse_goodput(args.goodput)
+    all_results: dict[str, dict[str, Any]] = {}
+    if args.base_url is not None:
+        served = args.served_model_name or model_name
+        all_results[args.label] = _load_server(args.label, args.base_url, served, workload, prompts, args, goodput,
+                                               not args.no_ignore_eos)
+    else:
+        for server in args.server or ["pagellm"]:
+            proc, base_url = _launch(server, str(model), args)
+            try:
+                ignore_eos = SERVERS[server][1] and not args.no_ignore_eos
+                all_results[server] = _load_server(server, base_url, args.served_model_name or str(model), workload,
+                                                   prompts, args, goodput, ignore_eos)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    for label, results in all_results.items():
+        _write_results(label, workload, model_name, goodput, results, args.output_dir)
+    if len(all_results) > 1:
+        _compare(all_results)
     return 0

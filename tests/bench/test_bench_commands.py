@@ -67,6 +67,18 @@ def test_bench_serve_against_a_launched_server(tmp_path, capsys):
     assert (tmp_path / "serve-pagellm-random-tiny-llama-latency.png").exists()
 
 
+def test_bench_serve_sends_the_same_requests_to_pagellm_and_transformers_serve(tmp_path, capsys):
+    rc = main(["bench", "serve", *TINY, "--server", "pagellm", "--server", "transformers", "--request-rate", "inf",
+               "--output-dir", str(tmp_path)])
+    assert rc == 0
+    for label in ("pagellm", "transformers"):
+        summary = json.loads((tmp_path / f"serve-{label}-random-tiny-llama.json").read_text())["results"]["inf"]
+        assert summary["completed"] == 4 and summary["failed"] == 0, summary["errors"]
+        assert summary["ttft"]["median_ms"] > 0 and summary["output_token_throughput"] > 0
+    assert "pagellm" in capsys.readouterr().out.splitlines()[-1]  # the comparison line
+    assert len((tmp_path / "serve.md").read_text().splitlines()) == 4  # header, rule, one row per server
+
+
 def test_goodput_parsing():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="ttft:MS"):
