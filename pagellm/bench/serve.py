@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import subprocess
@@ -187,6 +188,13 @@ def _load_server(label: str, base_url: str, served: str, workload: Workload, pro
                  args: argparse.Namespace, goodput: dict[str, float], ignore_eos: bool) -> dict[str, Any]:
     """Every ``--request-rate`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # One short request first, unmeasured: servers that warm up on their first request (transformers'
+    # continuous batching does, for ~15 s) would otherwise charge it to the first rate.
+    warm = Workload("warm-up", workload.prompts[:1], [min(4, workload.output_lens[0])])
+    (trace,), _ = asyncio.run(run_load(base_url, served, warm, prompts[:1], float("inf"), None, headers, ignore_eos,
+                                       args.seed))
+    if not trace.ok:
+        raise RuntimeError(f"the {label} server failed the warm-up request: {trace.error}")
     results = {}
     for rate in args.request_rate:
         traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
@@ -246,6 +254,7 @@ def _compare(all_results: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     model, model_name = resolve_model(args)
     workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
