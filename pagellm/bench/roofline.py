@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagellm.model.packed_linear import PackedLinear
+
 
 @dataclass
 class MachineLimits:
@@ -64,8 +66,11 @@ def model_cost(llm: Any) -> ModelCost:
     model = engine.model
     embed = model.embed_tokens.weight
     weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
-    if model.tie_word_embeddings:
-        weights += embed.numel()  # the tied LM head reads the whole table
+    # Packed linears keep their weights in buffers, not parameters.
+    weights += sum(m.in_features * m.out_features + (m.bias.numel() if m.bias is not None else 0)
+                   for m in model.modules() if isinstance(m, PackedLinear))
+    if model.tie_word_embeddings and not isinstance(model.lm_head, PackedLinear):
+        weights += embed.numel()  # the tied LM head reads the whole table (counted once above if packed)
     layers = cfg.num_hidden_layers
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -34,7 +34,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", _pack(linear.weight.detach()), persistent=False)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
