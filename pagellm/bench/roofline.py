@@ -26,6 +26,12 @@ class MachineLimits:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
+    def best(self, other: "MachineLimits") -> "MachineLimits":
+        """The higher of two measurements of each limit (a busy moment only ever lowers one)."""
+        return MachineLimits(max(self.matmul_tflops_bf16, other.matmul_tflops_bf16),
+                             max(self.matmul_tflops_fp32, other.matmul_tflops_fp32),
+                             max(self.copy_bandwidth_gbs, other.copy_bandwidth_gbs))
+
 
 def _best_time(fn: Any, repeat: int) -> float:
     fn()
@@ -37,7 +43,7 @@ def _best_time(fn: Any, repeat: int) -> float:
     return best
 
 
-def measure_machine(size: int = 2048, copy_bytes: int = 1 << 30, repeat: int = 3) -> MachineLimits:
+def measure_machine(size: int = 2048, copy_bytes: int = 1 << 30, repeat: int = 5) -> MachineLimits:
     """Matmul rate (``torch.matmul`` at ``size``) in bf16 and fp32, and a large copy's bandwidth."""
     rates = {}
     for dtype in (torch.bfloat16, torch.float32):

@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         if name == "pagellm":
             res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
+            # Measured again right after the run: the limits are the best of both measurements.
+            limits = limits.best(measure_machine())
             roofline = decode_efficiency(llm, limits)
             if workload.name == "shared-prefix":
                 off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False))
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if roofline:
         print(f"\ndecode: {roofline['decode_steps']} pure-decode steps, mean batch {roofline['mean_decode_batch']:.1f}; "
               f"roofline {roofline['decode_roofline_s']:.2f} s vs measured {roofline['decode_measured_s']:.2f} s: "
-              f"efficiency {roofline['decode_efficiency']:.0%}")
+              f"efficiency {roofline['decode_efficiency']:.0%} (limits: best of two measurements, bf16 matmul "
+              f"{limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, copy {limits.copy_bandwidth_gbs:.1f} GB/s)")
     if extra:
         print(f"shared prefix: TTFT {extra['ttft_mean_s_no_prefix_cache']:.3f} s without the prefix cache, "
               f"{extra['ttft_mean_s_prefix_cache']:.3f} s with it ({extra['ttft_speedup_from_prefix_cache']:.1f}x lower)")
