@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     block_bytes = per_token * engine.block_size
     log = engine.step_log or []
     peak = max(log, key=lambda s: s.kv_blocks_in_use)
-    # Concurrency at the peak: the sequences that were running then.
+    # Concurrency at the peak: the sequences that held blocks then.
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens)]
-    peak_seqs = max(1, round(peak.kv_blocks_in_use * engine.block_size / (sum(lengths) / len(lengths))))
+    peak_seqs = max(1, peak.kv_sequences)
     max_len = max(args.max_model_len, max(lengths))
     paged_bytes = peak.kv_blocks_in_use * block_bytes
     contiguous_bytes = peak_seqs * max_len * per_token
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {
         "command": "memory", "model": model_name, "dtype": args.dtype, "workload": workload.name,
         "block_size": engine.block_size, "kv_bytes_per_token": per_token,
-        "peak_blocks_in_use": peak.kv_blocks_in_use, "paged_peak_bytes": paged_bytes,
+        "peak_blocks_in_use": peak.kv_blocks_in_use, "sequences_at_peak": peak_seqs, "paged_peak_bytes": paged_bytes,
         "contiguous_reservation_bytes": contiguous_bytes, "contiguous_max_model_len": max_len,
         "hf_static_cache_bytes": static_bytes, "hf_static_cache_len": static_len,
         "fragmentation_at_peak": peak.kv_fragmentation,

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -161,8 +163,15 @@ def _pagellm_command(model: str, port: int, args: argparse.Namespace) -> list[st
 
 
 def _transformers_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
-    # The console script installed beside this interpreter (needs `accelerate`, in the bench extra).
-    cli = str(Path(sys.executable).with_name("transformers"))
+    # transformers' own console script: the one installed beside this interpreter, else the one on PATH.
+    beside = Path(sys.executable).with_name("transformers")
+    cli = str(beside) if beside.exists() else shutil.which("transformers")
+    if cli is None:
+        raise RuntimeError("--server transformers needs the `transformers` command; it was not found beside "
+                           f"{sys.executable} nor on PATH")
+    if importlib.util.find_spec("accelerate") is None:
+        raise RuntimeError("--server transformers needs `accelerate` (transformers serve loads models with it): "
+                           "pip install 'pagellm[bench]'")
     return [cli, "serve", model, "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
             "--host", "127.0.0.1", "--port", str(port)]
 

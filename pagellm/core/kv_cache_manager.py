@@ -88,6 +88,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_sequences_with_blocks(self) -> int:
+        """Sequences that hold device blocks now."""
+        return sum(1 for table in self.block_tables.values() if table)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks in use (0.0 to 1.0)."""
         return self.pool.num_used_blocks / self.pool.num_blocks

@@ -45,6 +45,7 @@ class StepRecord:
     context_tokens: int  # K/V entries the decodes attended over
     kv_blocks_in_use: int = 0
     kv_fragmentation: float = 0.0  # allocated but unused slots / allocated slots, after the step
+    kv_sequences: int = 0  # sequences holding blocks after the step
 
 
 @dataclass
@@ -447,6 +448,7 @@ class LLMEngine:
             kv = self.kv_cache_stats()
             self.step_log[-1].kv_blocks_in_use = kv.in_use_blocks
             self.step_log[-1].kv_fragmentation = kv.internal_fragmentation
+            self.step_log[-1].kv_sequences = self.kv_cache_manager.num_sequences_with_blocks
         progressed: dict[str, Request] = {}
         for seq in touched:
             self._detokenize(seq)

@@ -7,6 +7,7 @@ import torch
 
 from pagellm.core.scheduler import SampleResult, TokenLogprobs
 from pagellm.core.sequence import Sequence
+from pagellm.sampling_params import SamplingParams
 
 
 def top_logprobs(
@@ -90,10 +91,7 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [
-            i for i, s in enumerate(seqs)
-            if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-        ]
+        rows = [i for i, s in enumerate(seqs) if _penalised(s.params)]
         if not rows:
             return
         vocab = logits.shape[1]
@@ -149,11 +147,14 @@ class Sampler:
         return gen
 
 
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def _needs_processing(seq: Sequence) -> bool:
     """Whether any logits processor changes this sequence's logits this step."""
     p = seq.params
-    return bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0 \
-        or bool(p.presence_penalty) or bool(p.frequency_penalty)
+    return bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens or _penalised(p)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

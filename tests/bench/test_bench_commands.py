@@ -48,6 +48,9 @@ def test_bench_memory_reports_paged_vs_contiguous(tmp_path, capsys):
     data = json.loads((tmp_path / "memory-random-tiny-llama.json").read_text())
     assert data["paged_peak_bytes"] < data["contiguous_reservation_bytes"]
     assert 0 <= data["fragmentation_at_peak"] < 1
+    assert 1 <= data["sequences_at_peak"] <= 4
+    assert data["contiguous_reservation_bytes"] == (data["sequences_at_peak"] * data["contiguous_max_model_len"]
+                                                    * data["kv_bytes_per_token"])
     assert data["max_concurrent_paged"] > data["max_concurrent_contiguous"]
     assert (tmp_path / "memory-random-tiny-llama-kv-usage.png").read_bytes()[:4] == b"\x89PNG"
     assert "fragmentation at peak" in capsys.readouterr().out
