@@ -45,9 +45,10 @@ class DecodeGroup:
     num: int
     ctx: int  # padded context: max_blocks * block_size
     mask: torch.Tensor  # (num, ctx) bool: True where a key may be attended
+    tables: torch.Tensor  # (num, max_blocks) int64 block ids, padded
     # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
-    # rows per (sequence, query head, block).
-    key_rows: torch.Tensor  # (num * num_heads * max_blocks, head_dim) int64
+    # rows per (sequence, query head, block). None below BAG_MIN_BLOCK_SIZE (keys are gathered).
+    key_rows: Optional[torch.Tensor]  # (num * num_heads * max_blocks, head_dim) int64
     # Values viewed as (num_blocks * block_size * num_kv_heads, head_dim) rows: one bag of ctx rows
     # per (sequence, query head).
     value_rows: torch.Tensor  # (num * num_heads, ctx) int64
@@ -63,6 +64,11 @@ class AttentionMetadata:
     sliding_window: Optional[int] = None
 
 
+# Below this block size, scoring keys in place costs more index memory than the keys themselves
+# (head_dim / block_size row ids per key and head), so small blocks gather their keys instead.
+BAG_MIN_BLOCK_SIZE = 8
+
+
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
                  head_dim: int, num_heads: int, sliding_window: Optional[int]) -> DecodeGroup:
     """``tables``: (num, max_blocks) block ids, padded with any valid id; ``context_lens``: (num,)."""
@@ -76,12 +82,14 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
         mask &= key_pos > lens - 1 - sliding_window
     # The KV head each query head reads.
     kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)  # (num_heads,)
-    blocks = tables.view(num, 1, max_blocks, 1)
-    heads = kv_head.view(1, num_heads, 1, 1)
-    key_rows = (blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)
+    key_rows = None
+    if block_size >= BAG_MIN_BLOCK_SIZE:
+        blocks = tables.view(num, 1, max_blocks, 1)
+        heads = kv_head.view(1, num_heads, 1, 1)
+        key_rows = ((blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)).view(-1, head_dim)
     tokens = (tables.view(num, 1, max_blocks, 1) * block_size + torch.arange(block_size, device=dev)).view(num, 1, ctx)
     value_rows = tokens * num_kv_heads + kv_head.view(1, num_heads, 1)
-    return DecodeGroup(start, num, ctx, mask, key_rows.view(-1, head_dim), value_rows.view(-1, ctx))
+    return DecodeGroup(start, num, ctx, mask, tables, key_rows, value_rows.view(-1, ctx))
 
 
 def write_kv(
@@ -119,12 +127,19 @@ def decode_attention(
     batched matmul or SDPA with a padding mask.
     """
     n, num_heads, head_dim = q.shape
-    block_size = k_cache.shape[-1]
+    _, num_kv_heads, _, block_size = k_cache.shape
     max_blocks = g.ctx // block_size
-    # Scores of one block = sum over d of q[d] * (row d of the block's transposed keys).
-    weights = (q * scale).to(k_cache.dtype).unsqueeze(2).expand(n, num_heads, max_blocks, head_dim)
-    scores = F.embedding_bag(g.key_rows, k_cache.view(-1, block_size), mode="sum",
-                             per_sample_weights=weights.reshape(-1, head_dim))
+    if g.key_rows is not None:
+        # Scores of one block = sum over d of q[d] * (row d of the block's transposed keys).
+        weights = (q * scale).to(k_cache.dtype).unsqueeze(2).expand(n, num_heads, max_blocks, head_dim)
+        scores = F.embedding_bag(g.key_rows, k_cache.view(-1, block_size), mode="sum",
+                                 per_sample_weights=weights.reshape(-1, head_dim))
+    else:
+        # Small blocks: gather them whole, then one batched matmul per (sequence, KV head).
+        keys = k_cache.index_select(0, g.tables.view(-1)).view(n, max_blocks, num_kv_heads, head_dim, block_size)
+        keys = keys.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, head_dim, g.ctx)
+        qg = (q * scale).to(k_cache.dtype).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(qg, keys)  # (n, kv_heads, group, ctx): query heads in order
     scores = scores.view(n, num_heads, g.ctx).float()
     scores.masked_fill_(~g.mask.unsqueeze(1), float("-inf"))
     probs = scores.softmax(dim=-1).to(v_cache.dtype)

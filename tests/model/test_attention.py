@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.model.attention import AttentionMetadata, PrefillSpan, decode_group, paged_attention, write_kv
+from pagellm.model.attention import (
+    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, decode_group, paged_attention, write_kv,
+)
 from pagellm.worker.cache_engine import kv_shapes
 
 
@@ -35,7 +37,7 @@ def _reference(q, keys, values, q_positions, window, scale):
     return torch.matmul(scores.softmax(-1), values).transpose(0, 1)  # (q_len, heads, d)
 
 
-@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("block_size", [1, 3, 8, 16])  # 1 and 3 gather keys, 8 and 16 score them in place
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
@@ -77,6 +79,7 @@ def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
         lens = torch.tensor([seqs[i][0] + 1 for i in idx])
         meta.decode_groups.append(decode_group(start, tables, lens, block_size, kv_heads, d, heads, window))
 
+    assert all((g.key_rows is None) == (block_size < BAG_MIN_BLOCK_SIZE) for g in meta.decode_groups)
     out = paged_attention(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
