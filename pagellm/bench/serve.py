@@ -76,6 +76,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                     last = now
                 if chunk.get("usage"):
                     trace.output_tokens = chunk["usage"]["completion_tokens"]
+                    # What the server tokenised (text prompts need not round-trip to the workload's ids).
+                    trace.prompt_tokens = chunk["usage"].get("prompt_tokens", trace.prompt_tokens)
         trace.latency = time.perf_counter() - t0
         trace.ok = True
     except httpx.HTTPError as e:
@@ -153,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
-    p.add_argument("--label", default="external", help="name of the --base-url server in the results")
+    p.add_argument("--label", default=None, help="name of the --base-url server in the results (default: external)")
     p.set_defaults(func=run)
 
 
@@ -184,24 +186,32 @@ SERVERS: dict[str, tuple[Callable[[str, int, argparse.Namespace], list[str]], bo
 
 
 def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """Start ``server`` on a free port, its output going to ``server-<name>.log`` in the output folder."""
     from pagellm.entrypoints.openai.launch import free_port, wait_healthy
 
     port = free_port()
-    proc = subprocess.Popen(SERVERS[server][0](model, port, args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    log_path = args.output_dir / f"server-{server}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(SERVERS[server][0](model, port, args), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
+    try:
+        wait_healthy(url, proc)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; its output is in {log_path}") from None
     return proc, url
 
 
 def _load_server(label: str, base_url: str, served: str, workload: Workload, prompts: list[str],
-                 args: argparse.Namespace, goodput: dict[str, float], ignore_eos: bool) -> dict[str, Any]:
+                 warm_up: tuple[Workload, str], args: argparse.Namespace, goodput: dict[str, float],
+                 ignore_eos: bool) -> dict[str, Any]:
     """Every ``--request-rate`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # One short request first, unmeasured: servers that warm up on their first request (transformers'
     # continuous batching does, for ~15 s) would otherwise charge it to the first rate.
-    warm = Workload("warm-up", workload.prompts[:1], [min(4, workload.output_lens[0])])
-    (trace,), _ = asyncio.run(run_load(base_url, served, warm, prompts[:1], float("inf"), None, headers, ignore_eos,
-                                       args.seed))
+    warm, warm_prompt = warm_up
+    (trace,), _ = asyncio.run(run_load(base_url, served, warm, [warm_prompt], float("inf"), None, headers,
+                                       ignore_eos, args.seed))
     if not trace.ok:
         raise RuntimeError(f"the {label} server failed the warm-up request: {trace.error}")
     results = {}
@@ -264,28 +274,41 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    servers = args.server or ["pagellm"]
+    if args.base_url is not None and args.server:
+        raise ValueError("--server launches a server and --base-url loads a running one: give one of them")
+    if args.base_url is None and args.label is not None:
+        raise ValueError("--label names a --base-url server; launched servers are named by --server")
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"--server given twice for the same server: {' '.join(servers)}")
     model, model_name = resolve_model(args)
     workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompts = [tokenizer.decode(p) for p in workload.prompts]
+    # The warm-up prompt is the first prompt's last tokens reversed: it shares no prefix with the
+    # workload, so a prefix cache gains nothing from it.
+    warm_ids = workload.prompts[0][::-1][:16]
+    warm_up = (Workload("warm-up", [warm_ids], [min(4, workload.output_lens[0])]), tokenizer.decode(warm_ids))
     goodput = parse_goodput(args.goodput)
     all_results: dict[str, dict[str, Any]] = {}
     if args.base_url is not None:
+        label = args.label or "external"
         served = args.served_model_name or model_name
-        all_results[args.label] = _load_server(args.label, args.base_url, served, workload, prompts, args, goodput,
-                                               not args.no_ignore_eos)
+        all_results[label] = _load_server(label, args.base_url, served, workload, prompts, warm_up, args, goodput,
+                                          not args.no_ignore_eos)
+        _write_results(label, workload, model_name, goodput, all_results[label], args.output_dir)
     else:
-        for server in args.server or ["pagellm"]:
+        for server in servers:
             proc, base_url = _launch(server, str(model), args)
             try:
                 ignore_eos = SERVERS[server][1] and not args.no_ignore_eos
                 all_results[server] = _load_server(server, base_url, args.served_model_name or str(model), workload,
-                                                   prompts, args, goodput, ignore_eos)
+                                                   prompts, warm_up, args, goodput, ignore_eos)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
-    for label, results in all_results.items():
-        _write_results(label, workload, model_name, goodput, results, args.output_dir)
+            # Written at once: a later server failing does not lose this one's measurement.
+            _write_results(server, workload, model_name, goodput, all_results[server], args.output_dir)
     if len(all_results) > 1:
         _compare(all_results)
     return 0

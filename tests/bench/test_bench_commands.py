@@ -43,12 +43,14 @@ def test_bench_throughput_shared_prefix_reports_ttft_with_and_without_cache(tmp_
 
 
 def test_bench_memory_reports_paged_vs_contiguous(tmp_path, capsys):
-    rc = main(["bench", "memory", *TINY, "--output-dir", str(tmp_path), "--max-model-len", "512"])
+    # Equal output lengths: all 4 requests run together and end in the same step, so the peak holds 4.
+    rc = main(["bench", "memory", *TINY, "--output-len", "8", "8", "--output-dir", str(tmp_path),
+               "--max-model-len", "512"])
     assert rc == 0
     data = json.loads((tmp_path / "memory-random-tiny-llama.json").read_text())
     assert data["paged_peak_bytes"] < data["contiguous_reservation_bytes"]
     assert 0 <= data["fragmentation_at_peak"] < 1
-    assert 1 <= data["sequences_at_peak"] <= 4
+    assert data["sequences_at_peak"] == 4
     assert data["contiguous_reservation_bytes"] == (data["sequences_at_peak"] * data["contiguous_max_model_len"]
                                                     * data["kv_bytes_per_token"])
     assert data["max_concurrent_paged"] > data["max_concurrent_contiguous"]
@@ -80,6 +82,16 @@ def test_bench_serve_sends_the_same_requests_to_pagellm_and_transformers_serve(t
         assert summary["ttft"]["median_ms"] > 0 and summary["output_token_throughput"] > 0
     assert "pagellm" in capsys.readouterr().out.splitlines()[-1]  # the comparison line
     assert len((tmp_path / "serve.md").read_text().splitlines()) == 4  # header, rule, one row per server
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--server", "pagellm", "--base-url", "http://127.0.0.1:9"], "give one of them"),
+    (["--label", "mine"], "--label names a --base-url server"),
+    (["--server", "pagellm", "--server", "pagellm"], "given twice"),
+])
+def test_bench_serve_rejects_conflicting_flags(tmp_path, capsys, flags, message):
+    assert main(["bench", "serve", *TINY, *flags, "--output-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_goodput_parsing():
