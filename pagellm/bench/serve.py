@@ -5,7 +5,8 @@ Poisson arrivals at ``--request-rate`` (or all at once with ``inf``), at most
 inter-token latency and end-to-end latency (mean, median, p99), throughput and goodput.
 
 ``--server pagellm --server transformers`` launches each server in turn on the same model and
-sends both the same requests (prompts as text: the benchmark tokenizer round-trips exactly).
+sends both the same requests (prompts as text: the benchmark tokenizer round-trips exactly). Each
+rate draws its own requests (seed, seed + 1, ...) so that no prefix cache sees a prompt twice.
 """
 
 from __future__ import annotations
@@ -202,10 +203,10 @@ def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subproce
     return proc, url
 
 
-def _load_server(label: str, base_url: str, served: str, workload: Workload, prompts: list[str],
+def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float, Workload, list[str]]],
                  warm_up: tuple[Workload, str], args: argparse.Namespace, goodput: dict[str, float],
                  ignore_eos: bool) -> dict[str, Any]:
-    """Every ``--request-rate`` against one server; returns the summaries by rate."""
+    """Each (rate, workload, text prompts) of ``loads`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # One short request first, unmeasured: servers that warm up on their first request (transformers'
     # continuous batching does, for ~15 s) would otherwise charge it to the first rate.
@@ -215,10 +216,11 @@ def _load_server(label: str, base_url: str, served: str, workload: Workload, pro
     if not trace.ok:
         raise RuntimeError(f"the {label} server failed the warm-up request: {trace.error}")
     results = {}
-    for rate in args.request_rate:
+    for rate, workload, prompts in loads:
         traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
                                                 headers, ignore_eos, args.seed))
         summary = summarize(traces, duration, goodput)
+        summary["workload_seed"] = workload.meta.get("seed")
         results[str(rate)] = summary
         print(f"[{label}] rate {rate}: {summary['completed']} ok, {summary['failed']} failed in "
               f"{duration:.1f} s; {summary['request_throughput']:.2f} req/s, "
@@ -282,9 +284,15 @@ def run(args: argparse.Namespace) -> int:
     if len(set(servers)) != len(servers):
         raise ValueError(f"--server given twice for the same server: {' '.join(servers)}")
     model, model_name = resolve_model(args)
-    workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
+    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    prompts = [tokenizer.decode(p) for p in workload.prompts]
+    # Each rate gets its own requests (seed, seed + 1, ...), the same for every server: repeating the
+    # previous rate's prompts would let a prefix cache answer them from memory.
+    loads = []
+    for k, rate in enumerate(args.request_rate):
+        w = build_workload(args, vocab, seed=args.seed + k)
+        loads.append((rate, w, [tokenizer.decode(p) for p in w.prompts]))
+    workload = loads[0][1]
     # The warm-up prompt is the first prompt's last tokens reversed: it shares no prefix with the
     # workload, so a prefix cache gains nothing from it.
     warm_ids = workload.prompts[0][::-1][:16]
@@ -294,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base_url is not None:
         label = args.label or "external"
         served = args.served_model_name or model_name
-        all_results[label] = _load_server(label, args.base_url, served, workload, prompts, warm_up, args, goodput,
+        all_results[label] = _load_server(label, args.base_url, served, loads, warm_up, args, goodput,
                                           not args.no_ignore_eos)
         _write_results(label, workload, model_name, goodput, all_results[label], args.output_dir)
     else:
@@ -302,8 +310,8 @@ def run(args: argparse.Namespace) -> int:
             proc, base_url = _launch(server, str(model), args)
             try:
                 ignore_eos = SERVERS[server][1] and not args.no_ignore_eos
-                all_results[server] = _load_server(server, base_url, args.served_model_name or str(model), workload,
-                                                   prompts, warm_up, args, goodput, ignore_eos)
+                all_results[server] = _load_server(server, base_url, args.served_model_name or str(model), loads,
+                                                   warm_up, args, goodput, ignore_eos)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

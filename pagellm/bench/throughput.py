@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, write_json
@@ -35,13 +35,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT)
 
 
-def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
+def build_workload(args: argparse.Namespace, vocab: int, seed: Optional[int] = None) -> Workload:
+    """The workload the flags describe, drawn with ``seed`` (default ``--seed``)."""
     prompt, output = tuple(args.prompt_len), tuple(args.output_len)
+    seed = args.seed if seed is None else seed
     if args.workload == "shared-prefix":
-        return shared_prefix_workload(args.num_prompts, args.prefix_len, prompt, output, vocab, args.seed)
+        return shared_prefix_workload(args.num_prompts, args.prefix_len, prompt, output, vocab, seed)
     if args.workload == "parallel":
-        return parallel_workload(args.num_prompts, args.n, prompt, output, vocab, args.seed)
-    return random_workload(args.num_prompts, prompt, output, vocab, args.seed, name="random")
+        return parallel_workload(args.num_prompts, args.n, prompt, output, vocab, seed)
+    return random_workload(args.num_prompts, prompt, output, vocab, seed, name="random")
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:

@@ -64,6 +64,8 @@ def test_bench_serve_against_a_launched_server(tmp_path, capsys):
     assert rc == 0
     data = json.loads((tmp_path / "serve-pagellm-random-tiny-llama.json").read_text())
     assert set(data["results"]) == {"20.0", "inf"}
+    # Fresh requests per rate: a prefix cache never sees a prompt twice.
+    assert [data["results"][r]["workload_seed"] for r in ("20.0", "inf")] == [0, 1]
     for summary in data["results"].values():
         assert summary["completed"] == 4 and summary["failed"] == 0
         assert summary["ttft"]["median_ms"] > 0 and summary["e2el"]["p99_ms"] >= summary["ttft"]["p99_ms"]
