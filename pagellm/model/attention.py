@@ -44,7 +44,7 @@ class DecodeGroup:
     start: int
     num: int
     ctx: int  # padded context: max_blocks * block_size
-    mask: torch.Tensor  # (num, ctx) bool: True where a key may be attended
+    hidden: torch.Tensor  # (num, ctx) bool: True where a key may NOT be attended (padding, window)
     tables: torch.Tensor  # (num, max_blocks) int64 block ids, padded
     # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
     # rows per (sequence, query head, block). None below BAG_MIN_BLOCK_SIZE (keys are gathered).
@@ -89,7 +89,7 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
         key_rows = ((blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)).view(-1, head_dim)
     tokens = (tables.view(num, 1, max_blocks, 1) * block_size + torch.arange(block_size, device=dev)).view(num, 1, ctx)
     value_rows = tokens * num_kv_heads + kv_head.view(1, num_heads, 1)
-    return DecodeGroup(start, num, ctx, mask, tables, key_rows, value_rows.view(-1, ctx))
+    return DecodeGroup(start, num, ctx, ~mask, tables, key_rows, value_rows.view(-1, ctx))
 
 
 def write_kv(
@@ -141,7 +141,7 @@ def decode_attention(
         qg = (q * scale).to(k_cache.dtype).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys)  # (n, kv_heads, group, ctx): query heads in order
     scores = scores.view(n, num_heads, g.ctx).float()
-    scores.masked_fill_(~g.mask.unsqueeze(1), float("-inf"))
+    scores.masked_fill_(g.hidden.unsqueeze(1), float("-inf"))
     probs = scores.softmax(dim=-1).to(v_cache.dtype)
     out = F.embedding_bag(g.value_rows, v_cache.view(-1, head_dim), mode="sum", per_sample_weights=probs.view(-1, g.ctx))
     return out.view(n, num_heads, head_dim)
