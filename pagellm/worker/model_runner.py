@@ -8,7 +8,8 @@ import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Sequence
-from pagellm.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_group
+from pagellm.kernels import native
+from pagellm.model.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, decode_group
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -30,6 +31,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = cache_engine.kv_caches[0][1].shape[2:]  # from the value pool
         self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
+        self.native_decode = native.supports(device, cache_engine.kv_caches[0][1].dtype)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -53,6 +55,13 @@ class ModelRunner:
                                        self.num_kv_heads, self.head_dim, self.num_heads, self.sliding_window))
             start = end
         return groups
+
+    def _decode_batch(self, tables: list[list[int]], lens: list[int]) -> DecodeBatch:
+        """All decodes for the native kernel, tables padded with block 0 (read only up to each length)."""
+        width = max(len(t) for t in tables)
+        padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        return DecodeBatch(padded, self._tensor(lens),
+                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, width))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -105,7 +114,10 @@ class ModelRunner:
         slot_mapping = self._tensor(slots)
         meta = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs, slot_offsets=slot_mapping % bs,
                                  prefills=prefills, sliding_window=self.sliding_window)
-        meta.decode_groups = self._decode_groups(decode_tables, decode_lens)
+        if decode_tables and self.native_decode:
+            meta.native_decode = self._decode_batch(decode_tables, decode_lens)
+        else:
+            meta.decode_groups = self._decode_groups(decode_tables, decode_lens)
 
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
 

@@ -1,0 +1,160 @@
+"""Build, load and call the C kernels in this folder.
+
+The kernels are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
+machine (``-march=native``) and cached under ``$PAGELLM_CACHE_DIR`` (default
+``~/.cache/pagellm``), keyed by the source, the compiler and the CPU, then loaded with ``ctypes``:
+no build step at install time and no CUDA toolchain. Where no compiler works, or with
+``PAGELLM_NATIVE_KERNELS=0``, ``load()`` returns None and callers use their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+BASE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-shared", "-fPIC"]
+# Tried in order: with OpenMP (both cores), then without (one thread) where the compiler has none.
+FLAG_SETS = [BASE_FLAGS + ["-fopenmp"], BASE_FLAGS]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in paged_attention.c
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(line for line in f if line.startswith(("model name", "flags", "Features")))
+    except OSError:
+        text += platform.processor()
+    return text
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(cc: str, flags: list[str], target: Path) -> Optional[str]:
+    """Compile SOURCE to target (atomically); returns the compiler's complaint on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            return proc.stderr.strip()[-2000:] or f"{cc} exited with {proc.returncode}"
+        os.replace(tmp, target)  # concurrent builders each write their own file; the last one wins
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, built if needed; None when disabled or when no compiler can build them."""
+    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        logger.info("native kernels disabled by PAGELLM_NATIVE_KERNELS")
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.warning("no C compiler found (set CC): decode attention uses the slower PyTorch path")
+        return None
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join(
+            [source, " ".join(flags).encode(), _compiler_version(cc).encode(), _cpu_signature().encode()]
+        )).hexdigest()[:16]
+        path = cache_dir() / f"{SOURCE.stem}-{key}.so"
+        if not path.exists():
+            error = _build(cc, flags, path)
+            if error is not None:
+                errors.append(f"{cc} {' '.join(flags)}: {error}")
+                continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            errors.append(f"loading {path}: {e}")
+            continue
+        _declare(lib)
+        logger.info("native kernels loaded from %s", path)
+        return lib
+    logger.warning("native kernels could not be built, decode attention uses the slower PyTorch path:\n%s",
+                   "\n".join(errors))
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pagellm_scratch_floats.restype = i64
+    lib.pagellm_scratch_floats.argtypes = [i64, i64, i64, i64]
+    lib.pagellm_paged_decode_attention.restype = None
+    lib.pagellm_paged_decode_attention.argtypes = (
+        [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention for a KV cache of this device and dtype can use the native kernel."""
+    return device.type == "cpu" and dtype in DTYPE_CODES and load() is not None
+
+
+def scratch_for(num_heads: int, head_dim: int, block_size: int, max_blocks: int) -> torch.Tensor:
+    """The kernel's per-thread working memory for one step (shared by every layer)."""
+    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
+    return torch.empty(torch.get_num_threads() * per_thread, dtype=torch.float32)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_dim, block_size)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    tables: torch.Tensor,  # (num_seqs, max_blocks) int64, padded with any valid block id
+    lens: torch.Tensor,  # (num_seqs,) int64 context lengths, >= 1
+    scratch: torch.Tensor,  # from scratch_for(...)
+    scale: float,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in q's dtype."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size = k_cache.shape
+    dtype = k_cache.dtype
+    q = q.to(dtype).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
+        raise ValueError("native decode attention needs contiguous K/V pools of one dtype")
+    if tables.dtype != torch.int64 or lens.dtype != torch.int64 or not (tables.is_contiguous() and lens.is_contiguous()):
+        raise ValueError("block tables and context lengths must be contiguous int64 tensors")
+    threads = torch.get_num_threads()
+    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, tables.shape[1])
+    if scratch.numel() < threads * per_thread:
+        scratch = torch.empty(threads * per_thread, dtype=torch.float32)  # threads were raised mid-step
+    out = torch.empty_like(q)
+    load().pagellm_paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
+        DTYPE_CODES[dtype], threads, scratch.data_ptr())
+    return out

@@ -1,0 +1,211 @@
+/* Paged decode attention on CPU: one query token per sequence, K and V read in place from the pools.
+ *
+ * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
+ *   keys   [num_blocks, num_kv_heads, head_dim, block_size]  (transposed per block)
+ *   values [num_blocks, block_size, num_kv_heads, head_dim]
+ * Elements are float32 or bfloat16 (raw uint16 bits); all arithmetic is float32.
+ *
+ * One work item is one sequence, and it reads exactly its own blocks (the PyTorch fallback pads every
+ * sequence of a group to the longest). A block's K (or V) for all KV heads is one contiguous run; the
+ * blocks themselves lie anywhere in the pool, so the hardware cannot guess the next one: while a
+ * block is used, the next block of the table is prefetched line by line. The scores of one (block,
+ * KV head) are block_size-wide FMAs over the head_dim rows of its transposed keys; each value row is
+ * read once for every query head that shares it (grouped-query attention).
+ *
+ * Built at run time by pagellm/kernels/native.py (cc -O3 -march=native -fopenmp); the OpenMP runtime
+ * is the one PyTorch already loaded (same soname), so both share one thread pool.
+ */
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; } /* built without OpenMP: one thread */
+#endif
+#include <string.h>
+
+enum { PAGELLM_F32 = 0, PAGELLM_BF16 = 1 }; /* element type of q, out and the pools */
+
+#define LINE 64 /* bytes in a cache line */
+
+/* dst[0:n] = float32 of base[offset : offset + n] (element offsets). bfloat16 is the top half of a
+ * float32, so it converts by shifting its bits up (the file is built with -fno-strict-aliasing). */
+static inline void load_floats(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == PAGELLM_F32) {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        uint32_t *bits = (uint32_t *)dst;
+        for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+    }
+}
+
+static inline void store_floats(void *base, int64_t offset, int64_t n, int dtype, const float *src) {
+    if (dtype == PAGELLM_F32) {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)base + offset;
+    const uint32_t *bits = (const uint32_t *)src;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = bits[i];
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            dst[i] = (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+        } else {
+            dst[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+        }
+    }
+}
+
+/* Prefetch (into L2) the elements [offset, offset + n) of base; no-op for offset < 0. */
+static inline void prefetch(const void *base, int64_t offset, int64_t n, int dtype) {
+    if (offset < 0) return;
+    const int64_t size = dtype == PAGELLM_F32 ? 4 : 2;
+    const char *p = (const char *)base + offset * size;
+    for (int64_t i = 0; i < n * size; i += LINE) __builtin_prefetch(p + i, 0, 1);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), to about 1 ulp, in plain arithmetic so that the
+ * loops calling it vectorise (libm's expf is one call per element). 2^k * exp(r), |r| <= ln(2) / 2. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* keeps 2^k a normal float; exp(-87) is 0 next to the maximum's 1 */
+    const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): 1.5 * 2^23 trick */
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;   /* x - k ln 2 in two parts */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* In place: x[lo:hi] = softmax(x[lo:hi]); the rest of x[0:n] = 0. Partial maxima and sums in 16
+ * lanes so that the compiler vectorises them (a single accumulator would be a serial chain). */
+static void softmax(float *x, int64_t lo, int64_t hi, int64_t n) {
+    float lane[16];
+    for (int j = 0; j < 16; j++) lane[j] = x[lo];
+    int64_t t = lo;
+    for (; t + 16 <= hi; t += 16)
+        for (int j = 0; j < 16; j++) lane[j] = x[t + j] > lane[j] ? x[t + j] : lane[j];
+    float m = x[lo];
+    for (int j = 0; j < 16; j++) m = lane[j] > m ? lane[j] : m;
+    for (; t < hi; t++) m = x[t] > m ? x[t] : m;
+
+    for (t = lo; t < hi; t++) x[t] = exp_nonpositive(x[t] - m);
+    for (int j = 0; j < 16; j++) lane[j] = 0.0f;
+    for (t = lo; t + 16 <= hi; t += 16)
+        for (int j = 0; j < 16; j++) lane[j] += x[t + j];
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += lane[j];
+    for (; t < hi; t++) sum += x[t];
+
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) x[t] = t >= lo && t < hi ? x[t] * inv : 0.0f;
+}
+
+/* scores[g * stride + t] = sum_d q[g][d] * keys[d][t] over one (block, KV head): keys is its
+ * head_dim x bs matrix (float32). Written for a constant bs (16) and a general one. */
+typedef float f32x16 __attribute__((vector_size(64)));
+
+static void score_block16(const float *keys, const float *q, int64_t groups, int64_t head_dim, float *scores,
+                          int64_t stride) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float *qg = q + g * head_dim;
+        f32x16 acc = {0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            f32x16 row;
+            memcpy(&row, keys + d * 16, sizeof row);
+            acc += qg[d] * row;
+        }
+        memcpy(scores + g * stride, &acc, sizeof acc);
+    }
+}
+
+static void score_block(const float *keys, const float *q, int64_t groups, int64_t head_dim, int64_t bs,
+                        float *scores, int64_t stride) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float *qg = q + g * head_dim;
+        float *dst = scores + g * stride;
+        for (int64_t t = 0; t < bs; t++) dst[t] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++)
+            for (int64_t t = 0; t < bs; t++) dst[t] += qg[d] * keys[d * bs + t];
+    }
+}
+
+/* Floats of scratch each thread needs. */
+int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks) {
+    /* queries + outputs (all heads), scores (all heads x context), one KV head's key block, one value row */
+    return 2 * num_heads * head_dim + num_heads * max_blocks * block_size + head_dim * block_size + head_dim;
+}
+
+/* q, out: [num_seqs, num_heads, head_dim]; tables: [num_seqs, max_blocks] block ids; lens: [num_seqs]
+ * context lengths (>= 1). With window > 0 only the last `window` positions are attended.
+ * scratch: num_threads * pagellm_scratch_floats(...) floats. */
+void pagellm_paged_decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
+                                    const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads,
+                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                    int64_t max_blocks, int64_t window, float scale, int dtype, int num_threads,
+                                    float *scratch) {
+    const int64_t groups = num_heads / num_kv_heads;       /* query heads per KV head */
+    const int64_t head_elems = head_dim * block_size;       /* one KV head of a block */
+    const int64_t block_elems = num_kv_heads * head_elems;  /* one block, all KV heads */
+    const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *qf = scratch + omp_get_thread_num() * per_thread; /* scaled queries, all heads */
+        float *acc = qf + num_heads * head_dim;                  /* outputs, all heads */
+        float *scores = acc + num_heads * head_dim;              /* num_heads rows of `span` */
+        float *keys = scores + num_heads * max_blocks * block_size;
+        float *vrow = keys + head_elems;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            const int64_t len = lens[s];
+            const int64_t first = window > 0 && len > window ? len - window : 0;
+            const int64_t b0 = first / block_size, nb = (len + block_size - 1) / block_size;
+            const int64_t span = (nb - b0) * block_size; /* scores cover whole blocks b0 .. nb-1 */
+            const int64_t *table = tables + s * max_blocks;
+            load_floats(q, s * num_heads * head_dim, num_heads * head_dim, dtype, qf);
+            for (int64_t i = 0; i < num_heads * head_dim; i++) qf[i] *= scale;
+
+            for (int64_t b = b0; b < nb; b++) {
+                const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, dtype);
+                    load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, dtype, keys);
+                    float *dst = scores + h * groups * span + (b - b0) * block_size;
+                    if (block_size == 16) {
+                        score_block16(keys, qf + h * groups * head_dim, groups, head_dim, dst, span);
+                    } else {
+                        score_block(keys, qf + h * groups * head_dim, groups, head_dim, block_size, dst, span);
+                    }
+                }
+            }
+            const int64_t lo = first - b0 * block_size, hi = len - b0 * block_size;
+            for (int64_t hq = 0; hq < num_heads; hq++) softmax(scores + hq * span, lo, hi, span);
+
+            for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
+            for (int64_t b = b0; b < nb; b++) {
+                const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+                for (int64_t t = 0; t < block_size; t++) {
+                    const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */
+                    for (int64_t h = 0; h < num_kv_heads; h++) {
+                        const int64_t row = (t * num_kv_heads + h) * head_dim;
+                        prefetch(v_pool, next < 0 ? -1 : next + row, head_dim, dtype);
+                        load_floats(v_pool, table[b] * block_elems + row, head_dim, dtype, vrow);
+                        for (int64_t g = h * groups; g < (h + 1) * groups; g++) {
+                            const float w = p[g * span];
+                            float *o = acc + g * head_dim;
+                            for (int64_t d = 0; d < head_dim; d++) o[d] += w * vrow[d];
+                        }
+                    }
+                }
+            }
+            store_floats(out, s * num_heads * head_dim, num_heads * head_dim, dtype, acc);
+        }
+    }
+}

@@ -1,0 +1,121 @@
+"""The native decode-attention kernel against dense attention, and the engine without it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
+from pagellm.model.attention import AttentionMetadata, write_kv
+from pagellm.worker.cache_engine import kv_shapes
+from tests.model.test_attention import _reference
+
+needs_kernel = pytest.mark.skipif(native.load() is None, reason="no C compiler on this machine")
+
+
+def _cache_with_history(lens, block_size, kv_heads, d, dtype, num_blocks=96, seed=0):
+    """Pools holding each sequence's K/V at scattered blocks; returns pools, tables (padded), K, V."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (torch.zeros(s, dtype=dtype) for s in kv_shapes(num_blocks, block_size, kv_heads, d))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, keys, values = [], [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+        meta = AttentionMetadata(slot_mapping=slots, slot_blocks=slots // block_size, slot_offsets=slots % block_size)
+        write_kv(k, v, k_cache, v_cache, meta)
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    # Padding points at a block that holds another sequence's data: the kernel must not read it.
+    padded = torch.tensor([t + [tables[0][0]] * (width - len(t)) for t in tables], dtype=torch.long)
+    return k_cache, v_cache, padded, keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 5, 1])  # 16 has its own vector path
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_matches_dense_attention(dtype, block_size, heads, kv_heads, window):
+    d = 32
+    lens = [1, 16, 17, 40, 3]  # one token, exactly one block, one past it, several blocks
+    k_cache, v_cache, tables, keys, values = _cache_with_history(lens, block_size, kv_heads, d, dtype)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    scratch = native.scratch_for(heads, d, block_size, tables.shape[1])
+    out = native.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), scratch, d**-0.5, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    for i, n in enumerate(lens):
+        want = _reference(q[i : i + 1].double(), keys[i].double(), values[i].double(), [n - 1], window, d**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out[i].double(), want[0], atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_large_scores_do_not_overflow():
+    """Scores far apart (one key dominates) give a one-hot softmax, not inf or NaN."""
+    d, block_size = 16, 16
+    k_cache, v_cache, tables, keys, values = _cache_with_history([20], block_size, 1, d, torch.float32)
+    q = keys[0][7:8].clone() * 50  # (1, 1, d): scores up to ~50 * |k|^2
+    scratch = native.scratch_for(1, d, block_size, tables.shape[1])
+    out = native.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), scratch, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0, 0], values[0][7, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_no_compiler_falls_back_to_pytorch(llama_path, monkeypatch, tmp_path, caplog):
+    """Without a working compiler the engine warns once and gives the same greedy tokens."""
+    prompts = ["the quick brown fox", "paged attention"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(llama_path), dtype="float32")
+    assert llm.llm_engine.model_runner.native_decode == (native.load() is not None)
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagellm.kernels.native"):
+            llm = LLM(str(llama_path), dtype="float32")
+        assert native.load() is None
+        assert not llm.llm_engine.model_runner.native_decode
+        assert "could not be built" in caplog.text
+        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
+    assert without == with_kernel
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert not native.supports(torch.device("cpu"), torch.float32)
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
+
+
+@needs_kernel
+def test_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load() is not None
+        built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        native.load.cache_clear()
+        assert native.load() is not None  # loads the cached library, no rebuild
+        assert built[0].stat().st_mtime_ns == mtime
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
