@@ -5,8 +5,8 @@
  *   values [num_blocks, block_size, num_kv_heads, head_dim]
  * Elements are float32 or bfloat16 (raw uint16 bits); all arithmetic is float32.
  *
- * One work item is one sequence, and it reads exactly its own blocks (the PyTorch fallback pads every
- * sequence of a group to the longest). A block's K (or V) for all KV heads is one contiguous run; the
+ * One work item is one sequence (or, with few sequences, one KV head of one), and it reads exactly its
+ * own blocks (the PyTorch fallback pads every sequence of a group to the longest). A block's K (or V) for all KV heads is one contiguous run; the
  * blocks themselves lie anywhere in the pool, so the hardware cannot guess the next one: while a
  * block is used, the next block of the table is prefetched line by line. The scores of one (block,
  * KV head) are block_size-wide FMAs over the head_dim rows of its transposed keys; each value row is
@@ -162,19 +162,28 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
         float *scores = acc + num_heads * head_dim;              /* num_heads rows of `span` */
         float *keys = scores + num_heads * max_blocks * block_size;
         float *vrow = keys + head_elems;
+        /* A work item is a sequence and a range of its KV heads: all heads when there is a sequence
+         * for every thread (whole blocks are read in one run), one head each otherwise (a lone
+         * sequence still uses every thread). */
+        const int64_t head_chunks = num_seqs >= num_threads ? 1 : num_kv_heads;
+        const int64_t chunk = num_kv_heads / head_chunks;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t item = 0; item < num_seqs * head_chunks; item++) {
+            const int64_t s = item / head_chunks;
+            const int64_t h_lo = item % head_chunks * chunk, h_hi = h_lo + chunk;  /* KV heads */
+            const int64_t q_lo = h_lo * groups, q_hi = h_hi * groups;                /* query heads */
             const int64_t len = lens[s];
             const int64_t first = window > 0 && len > window ? len - window : 0;
             const int64_t b0 = first / block_size, nb = (len + block_size - 1) / block_size;
             const int64_t span = (nb - b0) * block_size; /* scores cover whole blocks b0 .. nb-1 */
             const int64_t *table = tables + s * max_blocks;
-            load_floats(q, s * num_heads * head_dim, num_heads * head_dim, dtype, qf);
-            for (int64_t i = 0; i < num_heads * head_dim; i++) qf[i] *= scale;
+            const int64_t q_offset = (s * num_heads + q_lo) * head_dim, q_elems = (q_hi - q_lo) * head_dim;
+            load_floats(q, q_offset, q_elems, dtype, qf + q_lo * head_dim);
+            for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) qf[i] *= scale;
 
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
-                for (int64_t h = 0; h < num_kv_heads; h++) {
+                for (int64_t h = h_lo; h < h_hi; h++) {
                     prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, dtype);
                     load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, dtype, keys);
                     float *dst = scores + h * groups * span + (b - b0) * block_size;
@@ -186,14 +195,14 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
                 }
             }
             const int64_t lo = first - b0 * block_size, hi = len - b0 * block_size;
-            for (int64_t hq = 0; hq < num_heads; hq++) softmax(scores + hq * span, lo, hi, span);
+            for (int64_t hq = q_lo; hq < q_hi; hq++) softmax(scores + hq * span, lo, hi, span);
 
-            for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.0f;
+            for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) acc[i] = 0.0f;
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
                 for (int64_t t = 0; t < block_size; t++) {
                     const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */
-                    for (int64_t h = 0; h < num_kv_heads; h++) {
+                    for (int64_t h = h_lo; h < h_hi; h++) {
                         const int64_t row = (t * num_kv_heads + h) * head_dim;
                         prefetch(v_pool, next < 0 ? -1 : next + row, head_dim, dtype);
                         load_floats(v_pool, table[b] * block_elems + row, head_dim, dtype, vrow);
@@ -205,7 +214,7 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
                     }
                 }
             }
-            store_floats(out, s * num_heads * head_dim, num_heads * head_dim, dtype, acc);
+            store_floats(out, q_offset, q_elems, dtype, acc + q_lo * head_dim);
         }
     }
 }

@@ -43,9 +43,11 @@ def _cache_with_history(lens, block_size, kv_heads, d, dtype, num_blocks=96, see
 @pytest.mark.parametrize("block_size", [16, 5, 1])  # 16 has its own vector path
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_decode_matches_dense_attention(dtype, block_size, heads, kv_heads, window):
+# Several sequences (one work item each): one token, exactly one block, one past it, several
+# blocks. A lone sequence is split by KV head across the threads.
+@pytest.mark.parametrize("lens", [[1, 16, 17, 40, 3], [37]])
+def test_decode_matches_dense_attention(dtype, block_size, heads, kv_heads, window, lens):
     d = 32
-    lens = [1, 16, 17, 40, 3]  # one token, exactly one block, one past it, several blocks
     k_cache, v_cache, tables, keys, values = _cache_with_history(lens, block_size, kv_heads, d, dtype)
     q = torch.randn(len(lens), heads, d).to(dtype)
     scratch = native.scratch_for(heads, d, block_size, tables.shape[1])
