@@ -25,11 +25,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
-BASE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-shared", "-fPIC"]
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+BASE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-shared", "-fPIC", "-lm"]
 # Tried in order: with OpenMP (both cores), then without (one thread) where the compiler has none.
 FLAG_SETS = [BASE_FLAGS + ["-fopenmp"], BASE_FLAGS]
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in paged_attention.c
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in cpu_kernels.c
 
 
 def cache_dir() -> Path:
@@ -116,6 +116,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
         [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+    lib.pagellm_argmax_logsumexp.restype = None
+    lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row of (rows, vocab) float32 CPU logits: (first argmax, logsumexp), or None where the
+    kernel does not apply (other device or dtype, or no kernel), for the caller's PyTorch path."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or load() is None:
+        return None
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    idx = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    if rows and vocab:
+        load().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(), lse.data_ptr(),
+                                        torch.get_num_threads())
+    return idx, lse
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:

@@ -9,7 +9,7 @@ from the pool with the attention probabilities as weights. Decode therefore neve
 
 A step's flat batch holds the decode tokens first (one per sequence), then each
 prefill (or prefill chunk) as a run of tokens. On CPU, decodes go to the native kernel
-(``pagellm/kernels/paged_attention.c``: one pass over each sequence's own blocks, about
+(``pagellm/kernels/cpu_kernels.c``: one pass over each sequence's own blocks, about
 twice as fast as the two ``embedding_bag`` calls). Elsewhere, or where it cannot be built,
 decodes come in groups of similar context length (so that padding to the longest wastes
 little), each group attended to in one batched call. Each prefill attends over its new

@@ -7,6 +7,7 @@ import torch
 
 from pagellm.core.scheduler import SampleResult, TokenLogprobs
 from pagellm.core.sequence import Sequence
+from pagellm.kernels import native
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,22 +53,29 @@ class Sampler:
         params = [s.params for s in seqs]
         if any(_needs_processing(s) for s in seqs):
             logits = self._process(logits.clone(), seqs)
+        # The raw logits' argmax and logsumexp in one pass per row, where the native kernel applies.
+        fast = native.argmax_logsumexp(raw)
         greedy = [p.is_greedy for p in params]
-        chosen = logits.argmax(dim=-1)
-        if not all(greedy):
-            sampled = self._sample(logits, seqs)
-            chosen = torch.where(torch.tensor(greedy, device=logits.device), chosen, sampled)
-        # The chosen tokens' logprobs, of the unprocessed distribution. (log_softmax + gather is
-        # faster on CPU than logsumexp, which makes several passes.)
-        raw_logprobs = torch.log_softmax(raw, dim=-1)
-        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        chosen = None if all(greedy) else self._sample(logits, seqs)
+        if any(greedy):
+            top = fast[0] if fast is not None and logits is raw else logits.argmax(dim=-1)
+            chosen = top if chosen is None else torch.where(torch.tensor(greedy, device=logits.device), top, chosen)
+        # The chosen tokens' logprobs, of the unprocessed distribution.
+        if fast is not None:
+            lse = fast[1]
+            chosen_lp = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse).tolist()
+        else:
+            # log_softmax + gather: faster on CPU than torch.logsumexp, which makes several passes.
+            raw_logprobs = torch.log_softmax(raw, dim=-1)
+            chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         tokens = chosen.tolist()
         results = [SampleResult(t, lp) for t, lp in zip(tokens, chosen_lp)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             num = max(params[i].logprobs or 0 for i in want)
             rows = torch.tensor(want, device=logits.device)
-            tops = top_logprobs(raw_logprobs[rows], num, chosen[rows])
+            wanted = raw[rows] - lse[rows].unsqueeze(1) if fast is not None else raw_logprobs[rows]
+            tops = top_logprobs(wanted, num, chosen[rows])
             for i, entry in zip(want, tops):
                 n_i = params[i].logprobs or 0
                 keep = {t: v for t, v in entry.items() if v[1] <= n_i or t == tokens[i]}

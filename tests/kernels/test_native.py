@@ -112,7 +112,7 @@ def test_built_once_into_the_cache(tmp_path, monkeypatch):
     native.load.cache_clear()
     try:
         assert native.load() is not None
-        built = list((tmp_path / "kernels").glob("paged_attention-*.so"))
+        built = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
         native.load.cache_clear()
@@ -121,3 +121,22 @@ def test_built_once_into_the_cache(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         native.load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 15, 16, 1000, 32003])
+def test_argmax_logsumexp_matches_torch(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, vocab, generator=g) * 5
+    logits[1] = 0.25  # all tied: the first index wins, as with torch.argmax
+    if vocab > 20:
+        logits[2, 3] = logits[2, 17] = 100.0  # tied maximum in two different lanes
+        logits[3, vocab // 2 :] = float("-inf")  # masked entries contribute nothing
+    idx, lse = native.argmax_logsumexp(logits)
+    assert idx.tolist() == logits.argmax(dim=-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_argmax_logsumexp_declines_what_it_cannot_do():
+    assert native.argmax_logsumexp(torch.zeros(2, 8, dtype=torch.bfloat16)) is None
+    assert native.argmax_logsumexp(torch.zeros(8)) is None
