@@ -1,4 +1,5 @@
-/* pagellm's native CPU kernels: paged decode attention, and the sampler's argmax + logsumexp.
+/* pagellm's native CPU kernels: paged decode attention, the sampler's argmax + logsumexp, and the
+ * element-wise layers RMSNorm and rotary embedding in one pass each.
  *
  * Paged decode attention: one query token per sequence, K and V read in place from the pools.
  *
@@ -70,10 +71,11 @@ static inline void prefetch(const void *base, int64_t offset, int64_t n, int dty
     for (int64_t i = 0; i < n * size; i += LINE) __builtin_prefetch(p + i, 0, 1);
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), to about 1 ulp, in plain arithmetic so that the
- * loops calling it vectorise (libm's expf is one call per element). 2^k * exp(r), |r| <= ln(2) / 2. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* keeps 2^k a normal float; exp(-87) is 0 next to the maximum's 1 */
+/* exp(x) to about 1 ulp, with x clamped to [-87, 88] (2^k stays a normal float; exp(-87) is 0 next
+ * to any value that matters here), in plain arithmetic so that the loops calling it vectorise (libm's
+ * expf is one call per element). 2^k * exp(r), |r| <= ln(2) / 2. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): 1.5 * 2^23 trick */
     const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;   /* x - k ln 2 in two parts */
     float p = 1.0f / 5040.0f;
@@ -102,7 +104,7 @@ static void softmax(float *x, int64_t lo, int64_t hi, int64_t n) {
     for (int j = 0; j < 16; j++) m = lane[j] > m ? lane[j] : m;
     for (; t < hi; t++) m = x[t] > m ? x[t] : m;
 
-    for (t = lo; t < hi; t++) x[t] = exp_nonpositive(x[t] - m);
+    for (t = lo; t < hi; t++) x[t] = fast_exp(x[t] - m);
     for (int j = 0; j < 16; j++) lane[j] = 0.0f;
     for (t = lo; t + 16 <= hi; t += 16)
         for (int j = 0; j < 16; j++) lane[j] += x[t + j];
@@ -258,11 +260,81 @@ void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, 
             }
         float lane_sum[16] = {0};
         for (t = 0; t + 16 <= vocab; t += 16)
-            for (int j = 0; j < 16; j++) lane_sum[j] += exp_nonpositive(x[t + j] - m);
+            for (int j = 0; j < 16; j++) lane_sum[j] += fast_exp(x[t + j] - m);
         float sum = 0.0f;
         for (int j = 0; j < 16; j++) sum += lane_sum[j];
-        for (; t < vocab; t++) sum += exp_nonpositive(x[t] - m);
+        for (; t < vocab; t++) sum += fast_exp(x[t] - m);
         argmax[r] = idx;
         lse[r] = m + logf(sum);
+    }
+}
+
+/* ---------------------------------------------------------------- element-wise layers
+ * Each follows PyTorch's own sequence of operations, including bfloat16's rounding after every
+ * operation that PyTorch stores in bfloat16: the rotary embedding gives the PyTorch path's values
+ * exactly, RMSNorm to rounding (its sum of squares adds in another order). */
+
+/* Round a float32 to the nearest bfloat16, returned as float32. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) <= 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float as_stored(float f, int dtype) { return dtype == PAGELLM_BF16 ? round_bf16(f) : f; }
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)) per row, the norm in float32 (as transformers' RMSNorm). */
+void pagellm_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps,
+                      int dtype, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        float row[hidden], w[hidden];
+        load_floats(weight, 0, hidden, dtype, w);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_floats(x, r * hidden, hidden, dtype, row);
+            float lane[16] = {0};
+            int64_t i = 0;
+            for (; i + 16 <= hidden; i += 16)
+                for (int j = 0; j < 16; j++) lane[j] += row[i + j] * row[i + j];
+            float sum = 0.0f;
+            for (int j = 0; j < 16; j++) sum += lane[j];
+            for (; i < hidden; i++) sum += row[i] * row[i];
+            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+            for (i = 0; i < hidden; i++) row[i] = as_stored(w[i] * as_stored(row[i] * inv, dtype), dtype);
+            store_floats(out, r * hidden, hidden, dtype, row);
+        }
+    }
+}
+
+/* In place on the first `heads` heads of each token's row (q then k heads of a fused qkv output):
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) (neox style). cos, sin: float32 tables
+ * [max_position, head_dim], rounded to the activations' dtype first (as the PyTorch path does). */
+void pagellm_rotary(void *qk, int64_t tokens, int64_t row_stride, int64_t heads, int64_t head_dim,
+                    const int64_t *positions, const float *cos_table, const float *sin_table, int dtype,
+                    int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float c[head_dim], s[head_dim], x[head_dim], y[head_dim];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int64_t i = 0; i < head_dim; i++) {
+                c[i] = as_stored(cos_table[positions[t] * head_dim + i], dtype);
+                s[i] = as_stored(sin_table[positions[t] * head_dim + i], dtype);
+            }
+            for (int64_t h = 0; h < heads; h++) {
+                const int64_t offset = t * row_stride + h * head_dim;
+                load_floats(qk, offset, head_dim, dtype, x);
+                for (int64_t i = 0; i < half; i++) {
+                    y[i] = as_stored(as_stored(x[i] * c[i], dtype) + as_stored(-x[i + half] * s[i], dtype), dtype);
+                    y[i + half] = as_stored(as_stored(x[i + half] * c[i + half], dtype)
+                                            + as_stored(x[i] * s[i + half], dtype), dtype);
+                }
+                store_floats(qk, offset, head_dim, dtype, y);
+            }
+        }
     }
 }

@@ -118,6 +118,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
     lib.pagellm_argmax_logsumexp.restype = None
     lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
+    lib.pagellm_rms_norm.restype = None
+    lib.pagellm_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_rotary.restype = None
+    lib.pagellm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -175,3 +179,38 @@ def paged_decode_attention(
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
         DTYPE_CODES[dtype], threads, scratch.data_ptr())
     return out
+
+
+# ------------------------------------------------------------------ element-wise layers
+# Each reports where the kernel does not apply (not a contiguous float32/bfloat16 CPU tensor, or no
+# kernel), and the caller runs its PyTorch code, which computes the same values (RMSNorm: to rounding).
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return (t.device.type == "cpu" and t.dtype in DTYPE_CODES and all(
+        x.dtype == t.dtype and x.is_contiguous() for x in tensors) and load() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, the norm in float32."""
+    if not _applies(x, weight) or x.shape[-1] != weight.numel():
+        return None
+    out = torch.empty_like(x)
+    hidden = weight.numel()
+    load().pagellm_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
+                            DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> bool:
+    """Rotate, in place, the first ``heads`` heads of every row of ``qkv`` (num_tokens, width) by the
+    float32 tables ``cos``/``sin`` (max_position, head_dim) at ``positions``. False: not applied."""
+    if (not _applies(qkv) or qkv.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+        return False
+    load().pagellm_rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, head_dim, positions.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], torch.get_num_threads())
+    return True
+

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import native
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference implementation."""
@@ -18,6 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = native.rms_norm(x, self.weight, self.eps)  # one pass instead of six
+        return out if out is not None else self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,6 +74,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def rotate_qk_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+        """In place on a fused projection's q and k columns (its first heads), by the native kernel;
+        False where it does not apply (then use ``forward``)."""
+        return native.rotary_(qkv, num_heads + num_kv_heads, self.cos.shape[-1], positions, self.cos, self.sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

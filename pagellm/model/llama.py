@@ -46,11 +46,14 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        rotated = self.rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 

@@ -140,3 +140,46 @@ def test_argmax_logsumexp_matches_torch(vocab):
 def test_argmax_logsumexp_declines_what_it_cannot_do():
     assert native.argmax_logsumexp(torch.zeros(2, 8, dtype=torch.bfloat16)) is None
     assert native.argmax_logsumexp(torch.zeros(8)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32)])
+def test_rotary_in_place_equals_the_pytorch_path(dtype, heads, kv_heads, head_dim):
+    from transformers import LlamaConfig
+
+    from pagellm.model.layers import RotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    rotary = RotaryEmbedding(cfg, head_dim, max_position=256)
+    n, q_size, kv_size = 9, heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(n, q_size + 2 * kv_size).to(dtype)
+    positions = torch.tensor([0, 1, 2, 50, 51, 100, 200, 254, 255])
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    want_q, want_k = rotary(positions, q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim))
+    got = qkv.clone()
+    assert rotary.rotate_qk_(positions, got, heads, kv_heads)
+    assert torch.equal(got[:, :q_size].view(n, heads, head_dim), want_q)  # the same bits
+    assert torch.equal(got[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim), want_k)
+    assert torch.equal(got[:, q_size + kv_size :], qkv[:, q_size + kv_size :])  # values untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [8, 100, 512])
+def test_rms_norm_matches_the_pytorch_path(dtype, hidden):
+    from pagellm.model.layers import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data.normal_()
+    norm = norm.to(dtype)
+    x = (torch.randn(33, hidden) * 4).to(dtype)
+    got, want = norm(x), norm.reference(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # the same bfloat16 value, or its neighbour where the float32 sum rounds the other way
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    strided = x[:, :hidden // 2]  # not contiguous: the PyTorch path
+    assert native.rms_norm(strided, norm.weight[: hidden // 2], 1e-6) is None
