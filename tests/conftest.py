@@ -34,6 +34,11 @@ CHECKPOINTS = {
     ),
     "qwen2": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.2)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=4096, initializer_range=0.2)),
+    # head_dim 64: the shapes the native prefill kernel takes (with block_size 16), MHA and GQA.
+    "llama-hd64": ("llama", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
+                                 initializer_range=0.2)),
+    "qwen2-hd64-gqa": ("qwen2", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                                     intermediate_size=256, tie_word_embeddings=True, initializer_range=0.2)),
     # Long context for the chunked-prefill tests.
     "llama-long": ("llama", dict(initializer_range=0.2, max_position_embeddings=8192)),
 }

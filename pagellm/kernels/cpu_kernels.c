@@ -19,12 +19,8 @@
  * is the one PyTorch already loaded (same soname), so both share one thread pool.
  */
 #include <math.h>
-#include <stdint.h>
-#ifdef _OPENMP
 #include <omp.h>
-#else
-static inline int omp_get_thread_num(void) { return 0; } /* built without OpenMP: one thread */
-#endif
+#include <stdint.h>
 #include <string.h>
 
 enum { PAGELLM_F32 = 0, PAGELLM_BF16 = 1 }; /* element type of q, out and the pools */
@@ -226,8 +222,161 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
     }
 }
 
+/* ---------------------------------------------------------------- paged prefill attention
+ * The new tokens of one sequence (a prompt, or a chunk of one after `cached` tokens) attend causally
+ * over everything in the pool up to their own position (their own K/V already written), read in
+ * place through the block table. Flash-attention tiling with an online softmax: a work item is a
+ * block of PREFILL_TOKENS query tokens and one KV head; each K/V block it reads is converted to
+ * float32 once, then scored against TILE_ROWS query rows at a time whose scores and outputs stay in
+ * vector registers. Written for block_size 16 (one key block row = one 16-float vector) and head_dim
+ * 64 or 128; other shapes use PyTorch's flash kernel. */
+#define PREFILL_TOKENS 16
+
+/* Query rows (token, query head) of one work item, padded to a multiple of the tile height. */
+static inline int64_t prefill_rows(int64_t groups) { return (PREFILL_TOKENS * groups + 3) / 4 * 4; }
+
+int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    const int64_t rows = prefill_rows(num_heads / num_kv_heads);
+    /* queries + outputs, running max and sum, one key block [head_dim][16], one value block [16][head_dim] */
+    return 2 * rows * head_dim + 2 * rows + 2 * 16 * head_dim;
+}
+
+/* TILE_ROWS query rows against one block of 16 keys: scores, online-softmax update, weighted values.
+ * kf: [HD][16] keys; vf: [16][HD] values; q, acc: [TILE_ROWS][HD]; lanes [lo[r], hi[r]) are the
+ * keys row r may attend (empty for padding rows, which stay zero). */
+#define DEFINE_PREFILL_TILE(HD, TILE_ROWS)                                                                  \
+    static void prefill_tile_##HD(const float *kf, const float *vf, const float *q, float *acc,          \
+                                  float *run_max, float *run_sum, const int64_t *lo, const int64_t *hi) { \
+        f32x16 s[TILE_ROWS];                                                                             \
+        for (int r = 0; r < TILE_ROWS; r++) s[r] = (f32x16){0};                                          \
+        for (int d = 0; d < HD; d++) {                                                                   \
+            f32x16 k;                                                                                    \
+            memcpy(&k, kf + d * 16, sizeof k);                                                           \
+            for (int r = 0; r < TILE_ROWS; r++) s[r] += q[r * HD + d] * k;                               \
+        }                                                                                                \
+        float p[TILE_ROWS][16], rescale[TILE_ROWS];                                                      \
+        for (int r = 0; r < TILE_ROWS; r++) {                                                            \
+            float m = run_max[r];                                                                        \
+            for (int64_t t = lo[r]; t < hi[r]; t++) m = s[r][t] > m ? s[r][t] : m;                       \
+            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
+            float sum = 0.0f;                                                                            \
+            for (int t = 0; t < 16; t++) {                                                               \
+                p[r][t] = t >= lo[r] && t < hi[r] ? fast_exp(s[r][t] - m) : 0.0f;                        \
+                sum += p[r][t];                                                                          \
+            }                                                                                            \
+            run_max[r] = m;                                                                              \
+            run_sum[r] = run_sum[r] * rescale[r] + sum;                                                  \
+        }                                                                                                \
+        f32x16 o[TILE_ROWS][HD / 16];                                                                    \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int j = 0; j < HD / 16; j++) {                                                          \
+                memcpy(&o[r][j], acc + r * HD + j * 16, sizeof o[r][j]);                                 \
+                o[r][j] *= rescale[r];                                                                   \
+            }                                                                                            \
+        for (int t = 0; t < 16; t++) {                                                                   \
+            f32x16 v[HD / 16];                                                                           \
+            memcpy(v, vf + t * HD, sizeof v);                                                            \
+            for (int r = 0; r < TILE_ROWS; r++)                                                          \
+                for (int j = 0; j < HD / 16; j++) o[r][j] += p[r][t] * v[j];                             \
+        }                                                                                                \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int j = 0; j < HD / 16; j++) memcpy(acc + r * HD + j * 16, &o[r][j], sizeof o[r][j]);   \
+    }
+
+/* Outputs of 4 rows (64) or 2 rows (128) fill 16 of the 32 vector registers. */
+DEFINE_PREFILL_TILE(64, 4)
+DEFINE_PREFILL_TILE(128, 2)
+
+/* q: [q_len, num_heads, head_dim] with q_stride elements between tokens; out: [q_len, num_heads,
+ * head_dim] contiguous; table: the sequence's block ids; query i is at position cached + i.
+ * Returns 0, or -1 for a shape it was not written for (nothing done). */
+int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                                    const int64_t *table, void *out, int64_t q_len, int64_t cached,
+                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
+                                    float *scratch) {
+    if (block_size != 16 || (head_dim != 64 && head_dim != 128)) return -1;
+    const int64_t tile = head_dim == 64 ? 4 : 2;
+    const int64_t groups = num_heads / num_kv_heads;
+    const int64_t head_elems = head_dim * block_size;
+    const int64_t block_elems = num_kv_heads * head_elems;
+    const int64_t q_blocks = (q_len + PREFILL_TOKENS - 1) / PREFILL_TOKENS;
+    const int64_t per_thread = pagellm_prefill_scratch_floats(num_heads, num_kv_heads, head_dim);
+    const int64_t padded = prefill_rows(groups);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *qf = scratch + omp_get_thread_num() * per_thread; /* [padded][head_dim]: row = token * groups + g */
+        float *acc = qf + padded * head_dim;
+        float *run_max = acc + padded * head_dim;
+        float *run_sum = run_max + padded;
+        float *keys = run_sum + padded;    /* [head_dim][16] */
+        float *values = keys + head_elems; /* [16][head_dim] */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < q_blocks * num_kv_heads; item++) {
+            const int64_t h = item % num_kv_heads;
+            const int64_t i0 = item / num_kv_heads * PREFILL_TOKENS;
+            const int64_t i1 = i0 + PREFILL_TOKENS < q_len ? i0 + PREFILL_TOKENS : q_len;
+            const int64_t rows = (i1 - i0) * groups;
+            for (int64_t e = 0; e < padded * head_dim; e++) qf[e] = acc[e] = 0.0f;
+            for (int64_t r = 0; r < padded; r++) {
+                run_max[r] = -INFINITY;
+                run_sum[r] = 0.0f;
+            }
+            for (int64_t i = i0; i < i1; i++) {
+                float *qi = qf + (i - i0) * groups * head_dim;
+                load_floats(q, i * q_stride + h * groups * head_dim, groups * head_dim, dtype, qi);
+                for (int64_t e = 0; e < groups * head_dim; e++) qi[e] *= scale;
+            }
+            const int64_t first_pos = cached + i0, last_pos = cached + i1 - 1;
+            const int64_t lo_pos = window > 0 && first_pos + 1 > window ? first_pos + 1 - window : 0;
+            for (int64_t b = lo_pos / 16; b <= last_pos / 16; b++) {
+                const int64_t base = table[b] * block_elems;
+                load_floats(k_pool, base + h * head_elems, head_elems, dtype, keys);
+                for (int64_t t = 0; t < 16; t++)
+                    load_floats(v_pool, base + (t * num_kv_heads + h) * head_dim, head_dim, dtype,
+                                values + t * head_dim);
+                for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+                    int64_t lo[4] = {0}, hi[4] = {0}; /* attended lanes of this block, per tile row */
+                    int any = 0;
+                    for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
+                        const int64_t pos = cached + i0 + r / groups;
+                        const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                        lo[r - r0] = first > b * 16 ? first - b * 16 : 0;
+                        hi[r - r0] = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
+                        if (hi[r - r0] < lo[r - r0]) hi[r - r0] = lo[r - r0];
+                        any |= hi[r - r0] > lo[r - r0];
+                    }
+                    if (!any) continue;
+                    const int64_t at = r0 * head_dim;
+                    if (head_dim == 64) {
+                        prefill_tile_64(keys, values, qf + at, acc + at, run_max + r0, run_sum + r0, lo, hi);
+                    } else {
+                        prefill_tile_128(keys, values, qf + at, acc + at, run_max + r0, run_sum + r0, lo, hi);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float inv = 1.0f / run_sum[r];
+                for (int64_t d = 0; d < head_dim; d++) acc[r * head_dim + d] *= inv;
+            }
+            for (int64_t i = i0; i < i1; i++)
+                store_floats(out, (i * num_heads + h * groups) * head_dim, groups * head_dim, dtype,
+                             acc + (i - i0) * groups * head_dim);
+        }
+    }
+    return 0;
+}
+
+/* Whether value v at index i replaces the maximum m found at index idx (the first maximum wins;
+ * NaN is greater than everything, as in torch.argmax). */
+static inline int takes_over(float v, int64_t i, float m, int64_t idx) {
+    if (isnan(v)) return !isnan(m) || i < idx;
+    return !isnan(m) && (v > m || (v == m && i < idx));
+}
+
 /* For each row of float32 logits [rows, vocab]: the index of its first maximum (as torch.argmax) and
- * log(sum(exp(row))), in one pass each over the row; rows are spread over the threads. The sampler
+ * log(sum(exp(row))), in one pass each over the row; rows are spread over the threads. A NaN counts as
+ * the maximum (as in torch.argmax); -inf entries add exp(-87), nothing next to the maximum's 1. The sampler
  * needs both every step (greedy token, and its logprob = logit - logsumexp), and PyTorch's argmax and
  * log_softmax each take about a millisecond per 40 x 32000 logits on this kind of CPU. */
 void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, /* vocab < 2^31 */ int64_t *argmax, float *lse,
@@ -242,22 +391,27 @@ void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, 
         int64_t t = 0;
         for (; t + 16 <= vocab; t += 16, position += 16) {
             memcpy(&v, x + t, sizeof v);
-            const i32x16 greater = v > lane_max; /* all ones where true */
+            const i32x16 greater = (v > lane_max) | (v != v); /* all ones where true; NaN counts as greatest */
             lane_max = (f32x16)(((i32x16)v & greater) | ((i32x16)lane_max & ~greater));
             lane_idx = (position & greater) | (lane_idx & ~greater);
         }
         float m = x[0];
         int64_t idx = 0;
         for (int j = 0; j < 16; j++)
-            if (lane_max[j] > m || (lane_max[j] == m && lane_idx[j] < idx)) {
+            if (takes_over(lane_max[j], lane_idx[j], m, idx)) {
                 m = lane_max[j];
                 idx = lane_idx[j];
             }
         for (; t < vocab; t++)
-            if (x[t] > m) {
+            if (takes_over(x[t], t, m, idx)) {
                 m = x[t];
                 idx = t;
             }
+        if (!isfinite(m)) { /* as torch: NaN, +inf, or -inf for a row of -inf */
+            argmax[r] = idx;
+            lse[r] = m;
+            continue;
+        }
         float lane_sum[16] = {0};
         for (t = 0; t + 16 <= vocab; t += 16)
             for (int j = 0; j < 16; j++) lane_sum[j] += fast_exp(x[t + j] - m);
@@ -312,9 +466,13 @@ void pagellm_rms_norm(const void *x, const void *weight, void *out, int64_t rows
 /* In place on the first `heads` heads of each token's row (q then k heads of a fused qkv output):
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) (neox style). cos, sin: float32 tables
  * [max_position, head_dim], rounded to the activations' dtype first (as the PyTorch path does). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off"))) /* PyTorch rounds the products before adding */
+#endif
 void pagellm_rotary(void *qk, int64_t tokens, int64_t row_stride, int64_t heads, int64_t head_dim,
                     const int64_t *positions, const float *cos_table, const float *sin_table, int dtype,
                     int num_threads) {
+#pragma STDC FP_CONTRACT OFF /* clang's spelling of the same */
     const int64_t half = head_dim / 2;
 #pragma omp parallel num_threads(num_threads)
     {

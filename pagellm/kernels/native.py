@@ -26,9 +26,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-BASE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-shared", "-fPIC", "-lm"]
-# Tried in order: with OpenMP (both cores), then without (one thread) where the compiler has none.
-FLAG_SETS = [BASE_FLAGS + ["-fopenmp"], BASE_FLAGS]
+# OpenMP is required: without it the kernels would run on one thread, slower than PyTorch's
+# multi-threaded path, which is then used instead. -lm after the source (linkers drop unused
+# libraries named before it).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC"]
+LINK_FLAGS = ["-lm"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in cpu_kernels.c
 
 
@@ -56,56 +58,57 @@ def _compiler_version(cc: str) -> str:
         return ""
 
 
-def _build(cc: str, flags: list[str], target: Path) -> Optional[str]:
-    """Compile SOURCE to target (atomically); returns the compiler's complaint on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+def _build(cc: str, target: Path) -> Optional[str]:
+    """Compile SOURCE to target (atomically); returns what went wrong, or None."""
+    tmp = None
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        proc = subprocess.run([cc, *COMPILE_FLAGS, str(SOURCE), "-o", tmp, *LINK_FLAGS],
+                              capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return proc.stderr.strip()[-2000:] or f"{cc} exited with {proc.returncode}"
         os.replace(tmp, target)  # concurrent builders each write their own file; the last one wins
         return None
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache folder, compiler gone, ...
         return str(e)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
 @functools.lru_cache(maxsize=None)
 def load() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, built if needed; None when disabled or when no compiler can build them."""
+    """The compiled kernels, built if needed; None when disabled or when they cannot be built."""
     if os.environ.get("PAGELLM_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         logger.info("native kernels disabled by PAGELLM_NATIVE_KERNELS")
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        logger.warning("no C compiler found (set CC): decode attention uses the slower PyTorch path")
+        logger.warning("no C compiler found (set CC): attention and sampling use the slower PyTorch path")
         return None
-    source = SOURCE.read_bytes()
-    errors = []
-    for flags in FLAG_SETS:
-        key = hashlib.sha256(b"\0".join(
-            [source, " ".join(flags).encode(), _compiler_version(cc).encode(), _cpu_signature().encode()]
-        )).hexdigest()[:16]
-        path = cache_dir() / f"{SOURCE.stem}-{key}.so"
-        if not path.exists():
-            error = _build(cc, flags, path)
+    key = hashlib.sha256(b"\0".join(
+        [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(cc).encode(),
+         _cpu_signature().encode()]
+    )).hexdigest()[:16]
+    path = cache_dir() / f"{SOURCE.stem}-{key}.so"
+    error = None
+    for attempt in range(2):  # a cached library that no longer loads (another glibc?) is rebuilt once
+        if attempt or not path.exists():
+            error = _build(cc, path)
             if error is not None:
-                errors.append(f"{cc} {' '.join(flags)}: {error}")
-                continue
+                break
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:
-            errors.append(f"loading {path}: {e}")
+            error = f"loading {path}: {e}"
             continue
         _declare(lib)
         logger.info("native kernels loaded from %s", path)
         return lib
-    logger.warning("native kernels could not be built, decode attention uses the slower PyTorch path:\n%s",
-                   "\n".join(errors))
+    logger.warning("native kernels could not be built (%s %s); attention and sampling use the slower "
+                   "PyTorch path:\n%s", cc, " ".join(COMPILE_FLAGS), error)
     return None
 
 
@@ -116,12 +119,60 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
         [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+    lib.pagellm_prefill_scratch_floats.restype = i64
+    lib.pagellm_prefill_scratch_floats.argtypes = [i64, i64, i64]
+    lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
+    lib.pagellm_paged_prefill_attention.argtypes = (
+        [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
     lib.pagellm_argmax_logsumexp.restype = None
     lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.pagellm_rms_norm.restype = None
     lib.pagellm_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.pagellm_rotary.restype = None
     lib.pagellm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+
+
+def prefill_supported(k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_attention`` was written for this pool's shape (block_size 16, head_dim 64 or
+    128) and dtype; otherwise prefill uses PyTorch's flash kernel."""
+    _, _, head_dim, block_size = k_cache.shape
+    return block_size == 16 and head_dim in (64, 128) and supports(k_cache.device, k_cache.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # (q_len, num_heads, head_dim): heads contiguous, any stride between tokens
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # (num_blocks_of_seq,) int64
+    cached: int,  # tokens before these in the sequence: query i is at position cached + i
+    scale: float,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """One sequence's new tokens attending causally over the pool, their own K/V already written there;
+    returns (q_len, num_heads, head_dim) in the cache's dtype. Check ``prefill_supported`` first."""
+    q_len, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size = k_cache.shape
+    dtype = k_cache.dtype
+    _check_heads(num_heads, num_kv_heads, head_dim, k_cache)
+    if block_table.numel() * block_size < cached + q_len:
+        raise ValueError(f"block table of {block_table.numel()} blocks cannot hold {cached + q_len} tokens")
+    if q.dtype != dtype or q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.to(dtype).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
+        raise ValueError("native prefill attention needs contiguous K/V pools of one dtype")
+    table = block_table.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
+    lib = load()
+    scratch = torch.empty(threads * lib.pagellm_prefill_scratch_floats(num_heads, num_kv_heads, head_dim),
+                          dtype=torch.float32)
+    out = torch.empty(q_len, num_heads, head_dim, dtype=dtype)
+    status = lib.pagellm_paged_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), out.data_ptr(),
+        q_len, cached, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, DTYPE_CODES[dtype],
+        threads, scratch.data_ptr())
+    if status != 0:
+        raise ValueError(f"native prefill attention does not take block_size {block_size} / head_dim {head_dim}")
+    return out
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -137,6 +188,12 @@ def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch
         load().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(), lse.data_ptr(),
                                         torch.get_num_threads())
     return idx, lse
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor) -> None:
+    if num_heads % num_kv_heads or k_cache.shape[2] != head_dim:
+        raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a pool of {num_kv_heads} KV heads "
+                         f"of {k_cache.shape[2]}")
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -160,10 +217,16 @@ def paged_decode_attention(
     scale: float,
     window: Optional[int] = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in q's dtype."""
+    """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in the
+    cache's dtype. Block ids and lengths are the engine's (each length >= 1 and covered by its row of
+    ``tables``); shapes are checked here."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
+    _check_heads(num_heads, num_kv_heads, head_dim, k_cache)
+    if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        raise ValueError(f"need one block-table row and one length per query: q {tuple(q.shape)}, "
+                         f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
     q = q.to(dtype).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
         raise ValueError("native decode attention needs contiguous K/V pools of one dtype")
@@ -206,9 +269,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
 def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> bool:
     """Rotate, in place, the first ``heads`` heads of every row of ``qkv`` (num_tokens, width) by the
-    float32 tables ``cos``/``sin`` (max_position, head_dim) at ``positions``. False: not applied."""
+    float32 tables ``cos``/``sin`` (max_position, head_dim) at ``positions`` (each below max_position,
+    as the engine guarantees). False: not applied."""
     if (not _applies(qkv) or qkv.dim() != 2 or positions.dtype != torch.int64 or not positions.is_contiguous()
-            or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+            or positions.shape != (qkv.shape[0],) or heads * head_dim > qkv.shape[1] or head_dim % 2
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] != head_dim
+            or not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape)):
         return False
     load().pagellm_rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, head_dim, positions.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], torch.get_num_threads())

@@ -13,7 +13,8 @@ prefill (or prefill chunk) as a run of tokens. On CPU, decodes go to the native 
 twice as fast as the two ``embedding_bag`` calls). Elsewhere, or where it cannot be built,
 decodes come in groups of similar context length (so that padding to the longest wastes
 little), each group attended to in one batched call. Each prefill attends over its new
-tokens plus the context already cached for it.
+tokens plus the context already cached for it: on CPU through the native prefill kernel where
+it fits the shape (block_size 16, head_dim 64 or 128), else PyTorch's flash kernel.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # (num_tokens,) int64: slot_mapping % block_size
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # the PyTorch decode path
     native_decode: Optional[DecodeBatch] = None  # or the native kernel (CPU, float32/bfloat16)
+    native_prefill: bool = False  # prefills on the native kernel (CPU, block_size 16, head_dim 64/128)
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
 
@@ -195,6 +197,10 @@ def paged_attention(
     for span in meta.prefills:
         sl = slice(span.q_start, span.q_start + span.q_len)
         cached = span.context_len - span.q_len
+        if meta.native_prefill:
+            out[sl] = native.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, cached, scale,
+                                                     window).to(q.dtype)
+            continue
         if cached == 0 and k_cache.dtype == k.dtype:
             keys, values = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather
         else:

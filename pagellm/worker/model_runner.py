@@ -32,6 +32,7 @@ class ModelRunner:
         self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
         self.native_decode = native.supports(device, cache_engine.kv_caches[0][1].dtype)
+        self.native_prefill = native.prefill_supported(cache_engine.kv_caches[0][0])
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -113,7 +114,8 @@ class ModelRunner:
 
         slot_mapping = self._tensor(slots)
         meta = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs, slot_offsets=slot_mapping % bs,
-                                 prefills=prefills, sliding_window=self.sliding_window)
+                                 prefills=prefills, sliding_window=self.sliding_window,
+                                 native_prefill=self.native_prefill)
         if decode_tables and self.native_decode:
             meta.native_decode = self._decode_batch(decode_tables, decode_lens)
         else:

@@ -46,8 +46,18 @@ def _cache_with_history(lens, block_size, kv_heads, d, dtype, num_blocks=96, see
 # Several sequences (one work item each): one token, exactly one block, one past it, several
 # blocks. A lone sequence is split by KV head across the threads.
 @pytest.mark.parametrize("lens", [[1, 16, 17, 40, 3], [37]])
-def test_decode_matches_dense_attention(dtype, block_size, heads, kv_heads, window, lens):
+@pytest.mark.parametrize("threads", [1, 3])  # how the work splits depends on the thread count
+def test_decode_matches_dense_attention(dtype, block_size, heads, kv_heads, window, lens, threads):
     d = 32
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_decode(dtype, block_size, heads, kv_heads, window, lens, d)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_decode(dtype, block_size, heads, kv_heads, window, lens, d):
     k_cache, v_cache, tables, keys, values = _cache_with_history(lens, block_size, kv_heads, d, dtype)
     q = torch.randn(len(lens), heads, d).to(dtype)
     scratch = native.scratch_for(heads, d, block_size, tables.shape[1])
@@ -93,6 +103,20 @@ def test_no_compiler_falls_back_to_pytorch(llama_path, monkeypatch, tmp_path, ca
         monkeypatch.undo()
         native.load.cache_clear()
     assert without == with_kernel
+
+
+def test_unwritable_cache_falls_back(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(blocker))  # kernels/ cannot be created under a file
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagellm.kernels.native"):
+            assert native.load() is None
+        assert "could not be built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -143,6 +167,17 @@ def test_argmax_logsumexp_declines_what_it_cannot_do():
 
 
 @needs_kernel
+def test_argmax_logsumexp_non_finite_rows_as_torch():
+    logits = torch.zeros(3, 40)
+    logits[0, 5] = logits[0, 9] = float("nan")  # the first NaN is the argmax; logsumexp NaN
+    logits[1, 30] = float("inf")
+    logits[2] = float("-inf")
+    idx, lse = native.argmax_logsumexp(logits)
+    assert idx.tolist() == logits.argmax(dim=-1).tolist() == [5, 30, 0]
+    assert torch.isnan(lse[0]) and lse[1] == float("inf") and lse[2] == float("-inf")
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32)])
 def test_rotary_in_place_equals_the_pytorch_path(dtype, heads, kv_heads, head_dim):
@@ -183,3 +218,53 @@ def test_rms_norm_matches_the_pytorch_path(dtype, hidden):
         torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
     strided = x[:, :hidden // 2]  # not contiguous: the PyTorch path
     assert native.rms_norm(strided, norm.weight[: hidden // 2], 1e-6) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (4, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize("cached,new,window", [(0, 37, None), (0, 16, None), (21, 30, None), (40, 9, None),
+                                               (0, 50, 20), (33, 17, 8)])
+def test_prefill_matches_dense_attention(dtype, heads, kv_heads, head_dim, cached, new, window):
+    """A fresh prompt, or a chunk after cached context, attending over the pool through its block table;
+    queries come strided out of a fused qkv buffer, as in the model."""
+    block_size, total = 16, cached + new
+    k_cache, v_cache, tables, keys, values = _cache_with_history([total], block_size, kv_heads, head_dim, dtype)
+    qkv = torch.randn(new, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(new, heads, head_dim)  # rows strided by the qkv width
+    assert native.prefill_supported(k_cache)
+    out = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], cached, head_dim**-0.5, window)
+    want = _reference(q.double(), keys[0].double(), values[0].double(), list(range(cached, total)), window,
+                      head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_shapes():
+    pools = [torch.zeros(s) for s in kv_shapes(4, 8, 2, 64)]  # block_size 8: PyTorch's flash kernel
+    assert not native.prefill_supported(pools[0])
+    assert not native.prefill_supported(torch.zeros(kv_shapes(4, 16, 2, 32)[0]))  # head_dim 32
+
+
+def test_sampler_native_and_pytorch_paths_agree(llama_path, monkeypatch):
+    """Greedy and seeded random requests with top logprobs, sampled through the kernel and through
+    PyTorch: the same tokens and top-logprob tokens, logprobs equal to rounding."""
+    prompts = ["the quick brown fox", "paged attention", "a b c d e f"]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=5, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+
+    def run():
+        outs = LLM(str(llama_path), dtype="float32", seed=0).generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+    fast = run()
+    monkeypatch.setattr(native, "argmax_logsumexp", lambda logits: None)
+    slow = run()
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+        if a.logprobs is not None:
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert la.keys() == lb.keys()
+                assert all(la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-5) for t in la)

@@ -70,7 +70,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, name):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-hd64"])
 def test_bfloat16_logprobs_close_to_transformers(checkpoints, name):
     """The bfloat16 path (packed linears on CPU, paged decode) scores tokens as transformers does in
     bfloat16: prompt logprobs from prefill, and each generated token's logprob from decode, against
