@@ -1,11 +1,12 @@
-"""Paged attention in PyTorch: write K/V into slots, attend over block tables.
+"""Paged attention: write K/V into slots, attend over block tables (native CPU kernels, or PyTorch).
 
 Cache layout (per layer): values ``[num_blocks, block_size, num_kv_heads, head_dim]``; keys are stored
 transposed, ``[num_blocks, num_kv_heads, head_dim, block_size]`` (as vLLM's paged-attention kernels
 store them). In that layout one (block, head) is a ``head_dim x block_size`` matrix, so a query's
 scores for the block are a weighted sum of its ``head_dim`` rows with the query as weights: an
-``embedding_bag`` that reads the keys straight from the pool. Values are likewise summed straight
-from the pool with the attention probabilities as weights. Decode therefore never copies K or V.
+``embedding_bag`` that reads the keys straight from the pool (the PyTorch path; the native kernel
+uses the same layout as 16-wide vector rows). Values are likewise summed straight from the pool with
+the attention probabilities as weights. Decode therefore never copies K or V.
 
 A step's flat batch holds the decode tokens first (one per sequence), then each
 prefill (or prefill chunk) as a run of tokens. On CPU, decodes go to the native kernel
