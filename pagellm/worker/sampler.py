@@ -134,17 +134,24 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(-1)
-        # Exponential race: argmax(p / q), q ~ Exp(1), draws from p. Seeded sequences draw q
-        # from their own generator, so their tokens never depend on batch companions.
-        q = torch.empty_like(probs)
+        # Inverse CDF: one uniform draw per row, the first token whose cumulative probability exceeds
+        # it. (The exponential race, argmax(p / q) with q ~ Exp(1), needs a draw per vocabulary entry:
+        # 24 ms for 40 x 32,000 on this CPU, as long as the rest of a decode step.) Seeded sequences
+        # draw from their own generator, so their tokens never depend on batch companions.
+        u = torch.empty(len(seqs), dtype=torch.float64, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
         if unseeded:
-            idx = torch.tensor(unseeded, device=dev)
-            q[idx] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(generator=self.generator)
+            u[torch.tensor(unseeded, device=dev)] = torch.rand(
+                len(unseeded), dtype=torch.float64, device=dev, generator=self.generator)
         for i, s in enumerate(seqs):
             if s.seed is not None:
-                q[i].exponential_(generator=self._generator_for(s))
-        return (probs / q).argmax(dim=-1)
+                u[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=self._generator_for(s))
+        cdf = probs.double().cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # Strictly below the total, so that some token's cumulative probability exceeds it; "right"
+        # skips zero-probability tokens (their cumulative value equals their predecessor's).
+        target = torch.minimum(u.unsqueeze(1) * total, total * (1 - 2**-52))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     def _generator_for(self, seq: Sequence) -> torch.Generator:
         gen = self._seeded.get(seq.seq_id)
