@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,13 @@ import torch
 from pagellm.model.default_model import build_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The embedded default model and the native kernels are built once per test session into a private
+# folder, set before any test module is collected (test modules ask for the kernels at import).
+if "PAGELLM_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="pagellm-test-cache-")
+    os.environ["PAGELLM_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 # name -> (architecture, config overrides). Larger init std makes random logits peaked,
 # so greedy choices are far from ties and parity checks are meaningful.
@@ -54,8 +64,3 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def llama_path(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
 
-
-@pytest.fixture(autouse=True, scope="session")
-def _isolated_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
-    # The embedded default model is built once per session into a private folder.
-    os.environ.setdefault("PAGELLM_CACHE_DIR", str(tmp_path_factory.mktemp("pagellm-cache")))
