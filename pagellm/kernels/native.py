@@ -3,8 +3,10 @@
 The kernels are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
 machine (``-march=native``) and cached under ``$PAGELLM_CACHE_DIR`` (default
 ``~/.cache/pagellm``), keyed by the source, the compiler and the CPU, then loaded with ``ctypes``:
-no build step at install time and no CUDA toolchain. Where no compiler works, or with
-``PAGELLM_NATIVE_KERNELS=0``, ``load()`` returns None and callers use their PyTorch path.
+no build step at install time and no CUDA toolchain. OpenMP threads come from the runtime PyTorch
+already loaded. Where they cannot be built or loaded (no compiler, no OpenMP, an unwritable cache
+folder), or with ``PAGELLM_NATIVE_KERNELS=0``, ``load()`` returns None (with a warning, once) and
+callers use their PyTorch path.
 """
 
 from __future__ import annotations
