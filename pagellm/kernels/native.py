@@ -155,13 +155,9 @@ def paged_prefill_attention(
     q_len, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
-    _check_heads(num_heads, num_kv_heads, head_dim, k_cache)
+    q = _query_for(q, k_cache, v_cache, any_token_stride=True)
     if block_table.numel() * block_size < cached + q_len:
         raise ValueError(f"block table of {block_table.numel()} blocks cannot hold {cached + q_len} tokens")
-    if q.dtype != dtype or q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.to(dtype).contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
-        raise ValueError("native prefill attention needs contiguous K/V pools of one dtype")
     table = block_table.to(torch.int64).contiguous()
     threads = torch.get_num_threads()
     lib = load()
@@ -192,10 +188,20 @@ def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch
     return idx, lse
 
 
-def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor) -> None:
+def _query_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, any_token_stride: bool) -> torch.Tensor:
+    """Checks that q (tokens, heads, head_dim) fits the pools, and returns it in the pools' dtype with
+    its heads contiguous (and its tokens too, unless the kernel takes any stride between tokens)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, dtype = k_cache.shape[1], k_cache.dtype
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim:
         raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a pool of {num_kv_heads} KV heads "
                          f"of {k_cache.shape[2]}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
+        raise ValueError("native attention needs contiguous K/V pools of one dtype")
+    heads_contiguous = q.stride(2) == 1 and q.stride(1) == head_dim
+    if q.dtype != dtype or not heads_contiguous or not (any_token_stride or q.is_contiguous()):
+        q = q.to(dtype).contiguous()
+    return q
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -225,13 +231,10 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
-    _check_heads(num_heads, num_kv_heads, head_dim, k_cache)
+    q = _query_for(q, k_cache, v_cache, any_token_stride=False)
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"need one block-table row and one length per query: q {tuple(q.shape)}, "
                          f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
-    q = q.to(dtype).contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
-        raise ValueError("native decode attention needs contiguous K/V pools of one dtype")
     if tables.dtype != torch.int64 or lens.dtype != torch.int64 or not (tables.is_contiguous() and lens.is_contiguous()):
         raise ValueError("block tables and context lengths must be contiguous int64 tensors")
     threads = torch.get_num_threads()

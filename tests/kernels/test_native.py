@@ -268,3 +268,18 @@ def test_sampler_native_and_pytorch_paths_agree(llama_path, monkeypatch):
             for la, lb in zip(a.logprobs, b.logprobs):
                 assert la.keys() == lb.keys()
                 assert all(la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-5) for t in la)
+
+
+@needs_kernel
+def test_wrong_shapes_are_refused_with_a_message():
+    k_cache, v_cache = (torch.zeros(s) for s in kv_shapes(8, 16, 2, 64))
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    scratch = native.scratch_for(4, 64, 16, 1)
+    with pytest.raises(ValueError, match="do not fit a pool"):  # head_dim 32 queries, 64-wide pool
+        native.paged_decode_attention(torch.zeros(1, 4, 32), k_cache, v_cache, tables, lens, scratch, 1.0)
+    with pytest.raises(ValueError, match="do not fit a pool"):  # 3 query heads over 2 KV heads
+        native.paged_prefill_attention(torch.zeros(5, 3, 64), k_cache, v_cache, tables[0], 0, 1.0)
+    with pytest.raises(ValueError, match="cannot hold"):  # one block of 16 for 20 tokens
+        native.paged_prefill_attention(torch.zeros(20, 4, 64), k_cache, v_cache, tables[0], 0, 1.0)
+    with pytest.raises(ValueError, match="one length per query"):
+        native.paged_decode_attention(torch.zeros(2, 4, 64), k_cache, v_cache, tables, lens, scratch, 1.0)
