@@ -140,6 +140,79 @@ static void score_block(const float *keys, const float *q, int64_t groups, int64
     }
 }
 
+/* ---- bfloat16 pools, block_size 16, head_dim 64 or 128: the vector path of decode attention.
+ * Rows are converted in registers as they are used (a bfloat16 is the top half of a float32), with
+ * each query head's partial outputs held in vector registers across a block's 16 value rows. The
+ * sums run in the same order as the generic path (keys: over head_dim; values: over tokens), so both
+ * give the same bits; this one skips the round trip of every converted row through memory. */
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 bf16x16(const uint16_t *p) {
+    u16x16 raw;
+    memcpy(&raw, p, sizeof raw);
+    return (f32x16)(__builtin_convertvector(raw, u32x16) << 16);
+}
+
+/* scores[g * stride + t] = sum_d q[g][d] * keys[d][t] for NG query heads over one block of
+ * transposed keys ([HD][16], bfloat16). */
+static inline __attribute__((always_inline)) void score16_bf16(const uint16_t *keys, const float *q, int hd,
+                                                               int ng, float *scores, int64_t stride) {
+    f32x16 acc[4] = {{0}};
+    for (int d = 0; d < hd; d++) {
+        const f32x16 row = bf16x16(keys + d * 16);
+        for (int g = 0; g < ng; g++) acc[g] += q[g * hd + d] * row;
+    }
+    for (int g = 0; g < ng; g++) memcpy(scores + g * stride, &acc[g], sizeof acc[g]);
+}
+
+/* acc[g][:] += sum_t p[g * stride + t] * values[t * row_stride + :] for NG query heads over one block
+ * of 16 value rows (bfloat16, HD wide); acc: NG rows of HD floats. */
+static inline __attribute__((always_inline)) void weigh16_bf16(const uint16_t *values, int64_t row_stride,
+                                                               const float *p, int64_t stride, int hd, int ng,
+                                                               float *acc) {
+    f32x16 o[4][8];
+    for (int g = 0; g < ng; g++) memcpy(o[g], acc + g * hd, hd * sizeof(float));
+    for (int t = 0; t < 16; t++) {
+        for (int c = 0; c < hd / 16; c++) {
+            const f32x16 v = bf16x16(values + t * row_stride + c * 16);
+            for (int g = 0; g < ng; g++) o[g][c] += p[g * stride + t] * v;
+        }
+    }
+    for (int g = 0; g < ng; g++) memcpy(acc + g * hd, o[g], hd * sizeof(float));
+}
+
+/* The query heads of one KV head in chunks that keep their outputs in registers: 4 at head_dim 64
+ * (16 vectors), 2 at 128. */
+#define DEFINE_DECODE_BLOCK_BF16(HD, CHUNK)                                                              \
+    static void score_block_bf16_##HD(const uint16_t *keys, const float *q, int64_t groups, float *scores,  \
+                                      int64_t stride) {                                                  \
+        for (int64_t g = 0; g < groups; g += 4) {                                                        \
+            switch (groups - g < 4 ? groups - g : 4) {                                                   \
+            case 1: score16_bf16(keys, q + g * HD, HD, 1, scores + g * stride, stride); break;           \
+            case 2: score16_bf16(keys, q + g * HD, HD, 2, scores + g * stride, stride); break;           \
+            case 3: score16_bf16(keys, q + g * HD, HD, 3, scores + g * stride, stride); break;           \
+            default: score16_bf16(keys, q + g * HD, HD, 4, scores + g * stride, stride); break;          \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    static void weigh_block_bf16_##HD(const uint16_t *values, int64_t row_stride, const float *p,         \
+                                      int64_t stride, int64_t groups, float *acc) {                      \
+        for (int64_t g = 0; g < groups; g += CHUNK) {                                                    \
+            const float *pg = p + g * stride;                                                            \
+            float *ag = acc + g * HD;                                                                    \
+            switch (groups - g < CHUNK ? groups - g : CHUNK) {                                           \
+            case 1: weigh16_bf16(values, row_stride, pg, stride, HD, 1, ag); break;                      \
+            case 2: weigh16_bf16(values, row_stride, pg, stride, HD, 2, ag); break;                      \
+            case 3: weigh16_bf16(values, row_stride, pg, stride, HD, 3, ag); break;                      \
+            default: weigh16_bf16(values, row_stride, pg, stride, HD, CHUNK, ag); break;                 \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
+DEFINE_DECODE_BLOCK_BF16(64, 4)
+DEFINE_DECODE_BLOCK_BF16(128, 2)
+
 /* Floats of scratch each thread needs. */
 int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks) {
     /* queries + outputs (all heads), scores (all heads x context), one KV head's key block, one value row */
@@ -158,6 +231,7 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
     const int64_t head_elems = head_dim * block_size;       /* one KV head of a block */
     const int64_t block_elems = num_kv_heads * head_elems;  /* one block, all KV heads */
     const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
+    const int vector_bf16 = dtype == PAGELLM_BF16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
 #pragma omp parallel num_threads(num_threads)
     {
         float *qf = scratch + omp_get_thread_num() * per_thread; /* scaled queries, all heads */
@@ -188,12 +262,22 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
                 const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
                 for (int64_t h = h_lo; h < h_hi; h++) {
                     prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, dtype);
-                    load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, dtype, keys);
                     float *dst = scores + h * groups * span + (b - b0) * block_size;
+                    const float *qh = qf + h * groups * head_dim;
+                    if (vector_bf16) {
+                        const uint16_t *kb = (const uint16_t *)k_pool + table[b] * block_elems + h * head_elems;
+                        if (head_dim == 64) {
+                            score_block_bf16_64(kb, qh, groups, dst, span);
+                        } else {
+                            score_block_bf16_128(kb, qh, groups, dst, span);
+                        }
+                        continue;
+                    }
+                    load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, dtype, keys);
                     if (block_size == 16) {
-                        score_block16(keys, qf + h * groups * head_dim, groups, head_dim, dst, span);
+                        score_block16(keys, qh, groups, head_dim, dst, span);
                     } else {
-                        score_block(keys, qf + h * groups * head_dim, groups, head_dim, block_size, dst, span);
+                        score_block(keys, qh, groups, head_dim, block_size, dst, span);
                     }
                 }
             }
@@ -201,7 +285,22 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
             for (int64_t hq = q_lo; hq < q_hi; hq++) softmax(scores + hq * span, lo, hi, span);
 
             for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) acc[i] = 0.0f;
-            for (int64_t b = b0; b < nb; b++) {
+            for (int64_t b = b0; b < nb && vector_bf16; b++) {
+                const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+                for (int64_t h = h_lo; h < h_hi; h++) {
+                    for (int64_t t = 0; t < 16 && next >= 0; t++)
+                        prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, dtype);
+                    const uint16_t *vb = (const uint16_t *)v_pool + table[b] * block_elems + h * head_dim;
+                    const float *p = scores + h * groups * span + (b - b0) * 16;
+                    float *o = acc + h * groups * head_dim;
+                    if (head_dim == 64) {
+                        weigh_block_bf16_64(vb, num_kv_heads * head_dim, p, span, groups, o);
+                    } else {
+                        weigh_block_bf16_128(vb, num_kv_heads * head_dim, p, span, groups, o);
+                    }
+                }
+            }
+            for (int64_t b = b0; b < nb && !vector_bf16; b++) {
                 const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
                 for (int64_t t = 0; t < block_size; t++) {
                     const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */

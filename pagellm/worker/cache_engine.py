@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.worker.cpu_tuning import zeros_on_huge_pages
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V of every layer for ``block_size`` tokens."""
@@ -37,10 +39,14 @@ class CacheEngine:
         k_shape, v_shape = kv_shapes(num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded decode positions read unused slots, and NaN garbage
         # there would leak through the masked softmax (0 * NaN = NaN).
-        self.kv_caches = [
-            (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        # On CPU, on huge pages: attention reads the blocks of a pool in random order.
+        if device.type == "cpu":
+            def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+                return zeros_on_huge_pages(shape, dtype)
+        else:
+            def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+                return torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(zeros(k_shape), zeros(v_shape)) for _ in range(num_layers)]
         # The swap pool in host memory. Left uninitialised: a block is only read after a swap-out
         # wrote it. Pinned on CUDA so that copies can overlap compute.
         pin = device.type == "cuda"
