@@ -292,19 +292,21 @@ class KVCacheManager:
     # ----------------------------------------------------------------- stats
     def stats(self, sequences: list[Sequence]) -> KVCacheStats:
         bs = self.block_size
-        filled: dict[int, int] = {}
+        # Every block in use is full except the tails of the tables (the last computed block, and
+        # blocks allocated ahead of the computation): only those are looked at, so that the cost is
+        # per sequence, not per block (the benchmarks log these stats every step). A block shared
+        # by several tables (forks, prefixes) has the same fill in each.
+        tails: dict[int, int] = {}
         logical = 0
         for seq in sequences:
             table = self.block_tables.get(seq.seq_id)
             if not table:
                 continue
-            logical += seq.num_computed_tokens
-            for i, block in enumerate(table):
-                n = min(bs, max(0, seq.num_computed_tokens - i * bs))
-                filled[block.block_id] = max(filled.get(block.block_id, 0), n)
-        for block in self.pinned:
-            filled[block.block_id] = bs
-            logical += bs
+            n = seq.num_computed_tokens
+            logical += n
+            for i in range(min(n // bs, len(table)), len(table)):
+                tails[table[i].block_id] = max(tails.get(table[i].block_id, 0), min(bs, max(0, n - i * bs)))
+        logical += bs * len(self.pinned)
         used = self.pool.num_used_blocks
         return KVCacheStats(
             block_size=bs,
@@ -314,7 +316,7 @@ class KVCacheManager:
             cached_blocks=self.pool.num_cached_free_blocks,
             pinned_blocks=len({b.block_id for b in self.pinned}),
             logical_tokens=logical,
-            physical_slots_used=sum(filled.values()),
+            physical_slots_used=(used - len(tails)) * bs + sum(tails.values()),
             allocated_slots=used * bs,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,

@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
@@ -36,6 +37,28 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return full_text[len(prefix_text) :]
         return ""
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Append several tokens; return the text they complete, as ``add`` one at a time would, but
+        with two decodes in all (for requests whose text is read only at the end)."""
+        if len(token_ids) <= 1:
+            return self.add(token_ids[0]) if token_ids else ""
+        start = len(self.ids)
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full_text[len(prefix_text) :]
+        # They end inside a character (or add nothing): token by token, which releases what is complete.
+        del self.ids[start:]
+        return "".join(self.add(t) for t in token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens appended so far (the prompt context not counted)."""
+        return len(self.ids) - self._context
 
     def flush(self) -> str:
         """At the end: the text still held back (an incomplete character decodes as U+FFFD)."""

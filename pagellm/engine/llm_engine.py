@@ -467,12 +467,16 @@ class LLMEngine:
         params = seq.params
         if not params.detokenize:
             return
-        last = seq.output_token_ids[-1]
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings and not seq.is_finished:
+            return  # nobody reads the text before the end and no stop string needs it: decode once then
+        pending = seq.output_token_ids[seq.detok.num_tokens:]
         ended_by_token = seq.status is SequenceStatus.FINISHED_STOPPED
         if ended_by_token and not params.include_stop_str_in_output:
-            return  # the EOS or stop token adds no text
-        delta = seq.detok.add(last)
-        if seq.is_finished:
+            pending = pending[:-1]  # the EOS or stop token adds no text
+            if not pending:
+                return
+        delta = seq.detok.add_tokens(pending)
+        if seq.is_finished and not (ended_by_token and not params.include_stop_str_in_output):
             delta += seq.detok.flush()
         if not delta:
             return

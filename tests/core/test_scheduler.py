@@ -159,6 +159,16 @@ SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]
 
 
 @settings(max_examples=80, deadline=None)
+def _slots_holding_tokens(kv: KVCacheManager, seqs) -> int:
+    """Every block's fill, by walking every table block by block (what stats() avoids)."""
+    filled: dict[int, int] = {b.block_id: kv.block_size for b in kv.pinned}
+    for s in seqs:
+        for i, block in enumerate(kv.block_tables.get(s.seq_id, ())):
+            n = min(kv.block_size, max(0, s.num_computed_tokens - i * kv.block_size))
+            filled[block.block_id] = max(filled.get(block.block_id, 0), n)
+    return sum(filled.values())
+
+
 @given(
     ops=st.lists(
         st.one_of(
@@ -202,6 +212,8 @@ def test_sharing_workloads_add_fork_abort_evict_pin_keep_invariants(ops, block_s
         for r in live:  # forked siblings share their blocks; no table ever holds a freed block
             for s in r.seqs:
                 assert all(b.ref_cnt >= 1 for b in kv.block_tables.get(s.seq_id, ()))
+        seqs = [s for r in live for s in r.seqs]
+        assert kv.stats(seqs).physical_slots_used == _slots_holding_tokens(kv, seqs)
     kv.unpin_all()
     run_to_end(sched, limit=3000)
     assert all(r.is_finished for r in live)

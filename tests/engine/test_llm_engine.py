@@ -133,3 +133,36 @@ def test_duplicate_request_id_is_refused(llama_path):
         engine.add_request("a", "hi")
     engine.abort_request("a")
     assert engine.kv_cache_manager.num_free_blocks == 16
+
+
+def test_text_decoded_once_at_the_end_equals_the_streamed_text(llm):
+    """LLM.generate's requests are read only when finished, so their text is decoded once, at the end;
+    it must be what streaming token by token gives, for stops by length, by token (kept or not), with
+    special tokens shown or skipped."""
+    tok = llm.get_tokenizer()
+    prompts = ["Hello, world", "The capital of France is", "1 2 3"]
+    (probe,) = llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    stop_tok = probe.outputs[0].token_ids[7]
+    cases = [
+        SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_tok],
+                       include_stop_str_in_output=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True, skip_special_tokens=False),
+    ]
+    engine = llm.llm_engine
+    for i, params in enumerate(cases):
+        finals = llm.generate(prompts, params, use_tqdm=False)  # FINAL_ONLY
+        for j, prompt in enumerate(prompts):
+            engine.add_request(f"stream-{i}-{j}", prompt, params)  # CUMULATIVE: detokenized every step
+        streamed = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streamed[out.request_id] = out.outputs[0].text
+        for j, final in enumerate(finals):
+            c = final.outputs[0]
+            assert c.text == streamed[f"stream-{i}-{j}"]
+            assert c.text  # something was decoded
+            if c.stop_reason is None:
+                assert c.text == tok.decode(c.token_ids, skip_special_tokens=params.skip_special_tokens)
+    assert_all_blocks_free(llm)
