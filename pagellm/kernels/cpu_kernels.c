@@ -1,7 +1,8 @@
 /* pagellm's native CPU kernels: paged decode attention, the sampler's argmax + logsumexp, and the
  * element-wise layers RMSNorm and rotary embedding in one pass each.
  *
- * Paged decode attention: one query token per sequence, K and V read in place from the pools.
+ * Paged decode attention: one query token per sequence, K and V read in place from the pools; the
+ * writes of new tokens' K/V into the pools.
  *
  * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
  *   keys   [num_blocks, num_kv_heads, head_dim, block_size]  (transposed per block)
@@ -464,6 +465,33 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
         }
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- K/V writes
+ * Each new token's K and V (rows of num_kv_heads * head_dim elements, of `elem` bytes, any stride
+ * between rows: they are views of the fused qkv projection) go to its slot: the value row as one
+ * copy, the key row scattered down its block's transposed columns. One call per layer instead of two
+ * indexed PyTorch writes; tokens are spread over the threads for prefill-sized batches. */
+void pagellm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
+                      int64_t tokens, void *k_pool, void *v_pool, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t elem, int num_threads) {
+    const int64_t row = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) if (tokens >= 64) num_threads(num_threads)
+    for (int64_t i = 0; i < tokens; i++) {
+        const int64_t b = slots[i] / block_size, o = slots[i] % block_size;
+        memcpy((char *)v_pool + (b * block_size + o) * row * elem, (const char *)v + i * v_stride * elem,
+               (size_t)(row * elem));
+        const int64_t base = b * row * block_size + o; /* key element e of the token: base + e * block_size */
+        if (elem == 2) {
+            const uint16_t *src = (const uint16_t *)k + i * k_stride;
+            uint16_t *dst = (uint16_t *)k_pool + base;
+            for (int64_t e = 0; e < row; e++) dst[e * block_size] = src[e];
+        } else {
+            const uint32_t *src = (const uint32_t *)k + i * k_stride;
+            uint32_t *dst = (uint32_t *)k_pool + base;
+            for (int64_t e = 0; e < row; e++) dst[e * block_size] = src[e];
+        }
+    }
 }
 
 /* Whether value v at index i replaces the maximum m found at index idx (the first maximum wins;

@@ -126,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
     lib.pagellm_paged_prefill_attention.argtypes = (
         [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+    lib.pagellm_write_kv.restype = None
+    lib.pagellm_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.pagellm_argmax_logsumexp.restype = None
     lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.pagellm_rms_norm.restype = None
@@ -171,6 +173,28 @@ def paged_prefill_attention(
     if status != 0:
         raise ValueError(f"native prefill attention does not take block_size {block_size} / head_dim {head_dim}")
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Store each token's K/V (num_tokens, num_kv_heads, head_dim; heads contiguous, any stride between
+    tokens) at its slot of the pools (laid out as in ``attention.py``). Slots are the engine's (each
+    within the pool). False where the kernel does not apply (another dtype or device, no kernel): the
+    caller writes with PyTorch."""
+    n, num_kv_heads, head_dim = k.shape
+    dtype = k_cache.dtype
+    if (k_cache.device.type != "cpu" or dtype not in DTYPE_CODES or load() is None
+            or k.dtype != dtype or v.dtype != dtype or v_cache.dtype != dtype or v.shape != k.shape
+            or tuple(k_cache.shape[1:3]) != (num_kv_heads, head_dim)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != (n,)
+            or any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (k, v))):
+        return False
+    if n:
+        load().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n,
+                                k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim, k_cache.shape[3],
+                                k.element_size(), torch.get_num_threads())
+    return True
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -224,10 +248,11 @@ def paged_decode_attention(
     scratch: torch.Tensor,  # from scratch_for(...)
     scale: float,
     window: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in the
-    cache's dtype. Block ids and lengths are the engine's (each length >= 1 and covered by its row of
-    ``tables``); shapes are checked here."""
+    cache's dtype: ``out`` when it is given (contiguous, that shape and dtype). Block ids and lengths are
+    the engine's (each length >= 1 and covered by its row of ``tables``); shapes are checked here."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
@@ -241,7 +266,10 @@ def paged_decode_attention(
     per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, tables.shape[1])
     if scratch.numel() < threads * per_thread:
         scratch = torch.empty(threads * per_thread, dtype=torch.float32)  # threads were raised mid-step
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)}")
     load().pagellm_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,

@@ -118,6 +118,8 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Store each token's K/V at its slot. k, v: (num_tokens, num_kv_heads, head_dim)."""
+    if native.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+        return
     num_kv_heads, head_dim = v_cache.shape[-2:]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     # The transposed key pool seen token-major, (num_blocks, block_size, kv_heads, head_dim): a view.
@@ -189,8 +191,11 @@ def paged_attention(
 
     if meta.native_decode is not None:
         d = meta.native_decode
-        out[: d.num] = native.paged_decode_attention(q[: d.num], k_cache, v_cache, d.tables, d.lens, d.scratch,
-                                                     scale, window).to(q.dtype)
+        rows = out[: d.num]  # written in place where the cache has the queries' dtype
+        got = native.paged_decode_attention(q[: d.num], k_cache, v_cache, d.tables, d.lens, d.scratch, scale,
+                                            window, out=rows if rows.dtype == k_cache.dtype else None)
+        if got is not rows:
+            rows.copy_(got)
     for g in meta.decode_groups:
         sl = slice(g.start, g.start + g.num)
         out[sl] = decode_attention(q[sl], k_cache, v_cache, g, scale).to(q.dtype)

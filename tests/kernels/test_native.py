@@ -311,3 +311,6 @@ def test_wrong_shapes_are_refused_with_a_message():
         native.paged_prefill_attention(torch.zeros(20, 4, 64), k_cache, v_cache, tables[0], 0, 1.0)
     with pytest.raises(ValueError, match="one length per query"):
         native.paged_decode_attention(torch.zeros(2, 4, 64), k_cache, v_cache, tables, lens, scratch, 1.0)
+    with pytest.raises(ValueError, match="out must be"):  # an output buffer of another dtype
+        native.paged_decode_attention(torch.zeros(1, 4, 64), k_cache, v_cache, tables, lens, scratch, 1.0,
+                                      out=torch.zeros(1, 4, 64, dtype=torch.bfloat16))

@@ -13,6 +13,7 @@ import torch
 from pagellm.model.attention import (
     BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, decode_group, paged_attention, write_kv,
 )
+from pagellm.kernels import native
 from pagellm.worker.cache_engine import kv_shapes
 
 
@@ -84,15 +85,24 @@ def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
-def test_write_kv_stores_each_token_at_its_slot():
-    block_size, kv_heads, d = 4, 2, 3
-    k_cache, v_cache = (torch.zeros(s) for s in kv_shapes(5, block_size, kv_heads, d))
-    k = torch.randn(3, kv_heads, d)
-    v = torch.randn(3, kv_heads, d)
-    slots = [9, 2, 19]  # block 2 offset 1, block 0 offset 2, block 4 offset 3
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["native", "pytorch"])
+@pytest.mark.parametrize("num_tokens", [3, 100])  # 100: the native kernel spreads tokens over threads
+def test_write_kv_stores_each_token_at_its_slot(dtype, path, num_tokens, monkeypatch):
+    if path == "pytorch":
+        monkeypatch.setattr(native, "load", lambda: None)
+    elif native.load() is None:
+        pytest.skip("no C compiler on this machine")
+    block_size, kv_heads, d, num_blocks = 4, 2, 3, 40
+    k_cache, v_cache = (torch.zeros(s, dtype=dtype) for s in kv_shapes(num_blocks, block_size, kv_heads, d))
+    # K and V as the model hands them over: views into one fused row per token.
+    fused = torch.randn(num_tokens, 3 * kv_heads * d).to(dtype)
+    k = fused[:, kv_heads * d : 2 * kv_heads * d].view(num_tokens, kv_heads, d)
+    v = fused[:, 2 * kv_heads * d :].view(num_tokens, kv_heads, d)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(1))[:num_tokens].tolist()
     write_kv(k, v, k_cache, v_cache, _meta(slots, block_size))
     for i, slot in enumerate(slots):
         block, offset = divmod(slot, block_size)
-        torch.testing.assert_close(k_cache[block, :, :, offset], k[i])  # keys: (blocks, heads, d, block_size)
-        torch.testing.assert_close(v_cache[block, offset], v[i])  # values: (blocks, block_size, heads, d)
+        assert torch.equal(k_cache[block, :, :, offset], k[i])  # keys: (blocks, heads, d, block_size)
+        assert torch.equal(v_cache[block, offset], v[i])  # values: (blocks, block_size, heads, d)
     assert int((k_cache != 0).sum()) == int((k != 0).sum())  # nothing written elsewhere
