@@ -566,26 +566,57 @@ static inline float round_bf16(float f) {
 
 static inline float as_stored(float f, int dtype) { return dtype == PAGELLM_BF16 ? round_bf16(f) : f; }
 
-/* out = weight * (x * rsqrt(mean(x^2) + eps)) per row, the norm in float32 (as transformers' RMSNorm). */
-void pagellm_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t hidden, float eps,
-                      int dtype, int num_threads) {
+/* out = weight * (x * rsqrt(mean(x^2) + eps)) per row, the norm in float32 (as transformers' RMSNorm).
+ * With `add` (the residual stream), x + add is normed instead and stored to `sum` first (rounded to
+ * the dtype, as PyTorch's addition): the residual addition and the next norm in one pass. */
+void pagellm_rms_norm(const void *x, const void *add, void *sum, const void *weight, void *out, int64_t rows,
+                      int64_t hidden, float eps, int dtype, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
-        float row[hidden], w[hidden];
+        float row[hidden], other[hidden], w[hidden];
         load_floats(weight, 0, hidden, dtype, w);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             load_floats(x, r * hidden, hidden, dtype, row);
+            if (add != NULL) {
+                load_floats(add, r * hidden, hidden, dtype, other);
+                for (int64_t i = 0; i < hidden; i++) row[i] = as_stored(row[i] + other[i], dtype);
+                store_floats(sum, r * hidden, hidden, dtype, row);
+            }
             float lane[16] = {0};
             int64_t i = 0;
             for (; i + 16 <= hidden; i += 16)
                 for (int j = 0; j < 16; j++) lane[j] += row[i + j] * row[i + j];
-            float sum = 0.0f;
-            for (int j = 0; j < 16; j++) sum += lane[j];
-            for (; i < hidden; i++) sum += row[i] * row[i];
-            const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+            float total = 0.0f;
+            for (int j = 0; j < 16; j++) total += lane[j];
+            for (; i < hidden; i++) total += row[i] * row[i];
+            const float inv = 1.0f / sqrtf(total / (float)hidden + eps);
             for (i = 0; i < hidden; i++) row[i] = as_stored(w[i] * as_stored(row[i] * inv, dtype), dtype);
             store_floats(out, r * hidden, hidden, dtype, row);
+        }
+    }
+}
+
+/* out[r] = silu(gate) * up for each row [gate | up] of gate_up (2 * inter wide), rounded after each
+ * operation as PyTorch's two ops round (silu(g) = g / (1 + exp(-g)); exp to about 1 ulp). */
+void pagellm_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype,
+                          int num_threads) {
+    const int64_t chunk = 256; /* columns per work item: large rows split across threads too */
+    const int64_t pieces = (inter + chunk - 1) / chunk;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float g[chunk], u[chunk];
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < rows * pieces; item++) {
+            const int64_t r = item / pieces, c0 = item % pieces * chunk;
+            const int64_t n = inter - c0 < chunk ? inter - c0 : chunk;
+            load_floats(gate_up, r * 2 * inter + c0, n, dtype, g);
+            load_floats(gate_up, r * 2 * inter + inter + c0, n, dtype, u);
+            for (int64_t i = 0; i < n; i++) {
+                const float e = g[i] < -88.0f ? INFINITY : fast_exp(-g[i]); /* exp overflows there: silu is -0 */
+                g[i] = as_stored(as_stored(g[i] / (1.0f + e), dtype) * u[i], dtype);
+            }
+            store_floats(out, r * inter + c0, n, dtype, g);
         }
     }
 }

@@ -131,7 +131,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_argmax_logsumexp.restype = None
     lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.pagellm_rms_norm.restype = None
-    lib.pagellm_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_rms_norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_silu_and_mul.restype = None
+    lib.pagellm_silu_and_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.pagellm_rotary.restype = None
     lib.pagellm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
 
@@ -288,14 +290,32 @@ def _applies(*tensors: torch.Tensor) -> bool:
         x.dtype == t.dtype and x.is_contiguous() for x in tensors) and load() is not None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
-    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, the norm in float32."""
-    if not _applies(x, weight) or x.shape[-1] != weight.numel():
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, the norm in float32. With
+    ``residual``: ``residual`` becomes x + residual (in place) and that sum is normed. None where the
+    kernel does not apply (nothing changed)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not _applies(*tensors) or x.shape[-1] != weight.numel() or (residual is not None and residual.shape != x.shape):
         return None
     out = torch.empty_like(x)
     hidden = weight.numel()
-    load().pagellm_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
-                            DTYPE_CODES[x.dtype], torch.get_num_threads())
+    add = None if residual is None else residual.data_ptr()
+    load().pagellm_rms_norm(x.data_ptr(), add, add, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
+                            eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(gate) * up for rows [gate | up] of (num_tokens, 2 * inter), as PyTorch rounds its two ops
+    (to an ulp of the exponential); None where the kernel does not apply."""
+    if not _applies(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    if rows:
+        load().pagellm_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype],
+                                    torch.get_num_threads())
     return out
 
 

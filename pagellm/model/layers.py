@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, overload
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +19,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = native.rms_norm(x, self.weight, self.eps)  # one pass instead of six
-        return out if out is not None else self.reference(x)
+    @overload
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """norm(x); or, with the residual stream, (norm(x + residual), x + residual), the sum written
+        into ``residual``'s memory where the native kernel runs (it is the caller's running sum)."""
+        out = native.rms_norm(x, self.weight, self.eps, residual)  # one pass instead of six (seven)
+        if residual is None:
+            return out if out is not None else self.reference(x)
+        if out is not None:
+            return out, residual
+        total = x + residual
+        return self.reference(total), total
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -104,5 +117,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = native.silu_and_mul(gate_up)  # one pass instead of two
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)

@@ -250,6 +250,40 @@ def test_rms_norm_matches_the_pytorch_path(dtype, hidden):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_the_residual_adds_then_norms(dtype):
+    from pagellm.model.layers import RMSNorm
+
+    norm = RMSNorm(100, 1e-6)
+    norm.weight.data.normal_()
+    norm = norm.to(dtype)
+    x, residual = (torch.randn(17, 100) * 3).to(dtype), (torch.randn(17, 100) * 3).to(dtype)
+    total = x + residual  # what PyTorch's addition gives, rounding included
+    got, new_residual = norm(x, residual.clone())
+    assert torch.equal(new_residual, total)
+    assert torch.equal(got, norm(total))  # the same kernel on the sum
+    torch.testing.assert_close(got.float(), norm.reference(total).float(), atol=1e-5, rtol=2**-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 8), (5, 300), (64, 1408)])  # 300: a partial column chunk
+def test_silu_and_mul_matches_pytorch(dtype, rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps and zeros
+    gate, up = gate_up.split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = native.silu_and_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:  # the same bfloat16 value, or its neighbour where exp's last bit rounds the other way
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-30, rtol=2**-7)
+    assert native.silu_and_mul(gate_up[:, 1:]) is None  # odd width / not contiguous: the PyTorch path
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (4, 1, 64), (6, 2, 128)])
 @pytest.mark.parametrize("cached,new,window", [(0, 37, None), (0, 16, None), (21, 30, None), (40, 9, None),
                                                (0, 50, 20), (33, 17, 8)])
