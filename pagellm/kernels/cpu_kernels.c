@@ -214,10 +214,185 @@ static inline __attribute__((always_inline)) void weigh16_bf16(const uint16_t *v
 DEFINE_DECODE_BLOCK_BF16(64, 4)
 DEFINE_DECODE_BLOCK_BF16(128, 2)
 
+/* ---- The same shapes with the CPU's bfloat16 dot products (AVX512-BF16, where the compiler targets
+ * them): each instruction multiplies 16 pairs of bfloat16 and adds both products to 16 float32 sums,
+ * so K and V are used as stored, two rows per instruction, with no conversion. Keys pair along
+ * head_dim (rows d and d+1 of the transposed block, one permute), values along tokens (rows t and
+ * t+1, interleaved by unpacking, which permutes head_dim within 128-bit lanes: undone at the end).
+ * The query is used in bfloat16 as the projection stored it (the scale is applied to the scores);
+ * the probabilities are rounded to bfloat16 before weighing the values, as transformers' eager
+ * attention does. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static int use_dot_products = 1;
+
+/* 16 pairs (K[d][t], K[d + 1][t]) from the 32 words of rows d and d + 1. */
+static inline __m512i pair_key_rows(__m512i rows) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, rows);
+}
+
+/* scores[g * stride + t] = scale * sum_d q[g][d] keys[d][t]; q: NG rows of HD bfloat16, read as pairs. */
+static inline __attribute__((always_inline)) void score16_dot(const uint16_t *keys, const uint32_t *q, int hd,
+                                                              int ng, float scale, float *scores, int64_t stride) {
+    __m512 acc[4];
+    for (int g = 0; g < ng; g++) acc[g] = _mm512_setzero_ps();
+    for (int i = 0; i < hd / 2; i++) {
+        const __m512bh k = (__m512bh)pair_key_rows(_mm512_loadu_si512(keys + 32 * i));
+        for (int g = 0; g < ng; g++)
+            acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32((int)q[g * hd / 2 + i]));
+    }
+    for (int g = 0; g < ng; g++) _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+}
+
+/* acc[g] += sum_t p[g][t] values[t] over one block of 16 value rows; p: per query head, 8 pairs of
+ * bfloat16 probabilities (p_stride pairs apart); acc: per query head, HD / 32 chunks of [lo 16 | hi 16]
+ * in unpack order. */
+static inline __attribute__((always_inline)) void weigh16_dot(const uint16_t *values, int64_t row_stride,
+                                                              const uint32_t *p, int64_t p_stride, int hd, int ng,
+                                                              float *acc) {
+    __m512 lo[4][4], hi[4][4];
+    for (int g = 0; g < ng; g++)
+        for (int c = 0; c < hd / 32; c++) {
+            lo[g][c] = _mm512_loadu_ps(acc + g * hd + c * 32);
+            hi[g][c] = _mm512_loadu_ps(acc + g * hd + c * 32 + 16);
+        }
+    for (int m = 0; m < 8; m++) {
+        for (int c = 0; c < hd / 32; c++) {
+            const __m512i a = _mm512_loadu_si512(values + 2 * m * row_stride + 32 * c);
+            const __m512i b = _mm512_loadu_si512(values + (2 * m + 1) * row_stride + 32 * c);
+            const __m512bh pairs_lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            const __m512bh pairs_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int g = 0; g < ng; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[g * p_stride + m]);
+                lo[g][c] = _mm512_dpbf16_ps(lo[g][c], pairs_lo, w);
+                hi[g][c] = _mm512_dpbf16_ps(hi[g][c], pairs_hi, w);
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++)
+        for (int c = 0; c < hd / 32; c++) {
+            _mm512_storeu_ps(acc + g * hd + c * 32, lo[g][c]);
+            _mm512_storeu_ps(acc + g * hd + c * 32 + 16, hi[g][c]);
+        }
+}
+
+#define DEFINE_DECODE_BLOCK_DOT(HD, CHUNK)                                                               \
+    static void score_block_dot_##HD(const uint16_t *keys, const uint32_t *q, int64_t groups, float scale, \
+                                     float *scores, int64_t stride) {                                    \
+        for (int64_t g = 0; g < groups; g += 4) {                                                        \
+            const uint32_t *qg = q + g * HD / 2;                                                         \
+            float *sg = scores + g * stride;                                                             \
+            switch (groups - g < 4 ? groups - g : 4) {                                                   \
+            case 1: score16_dot(keys, qg, HD, 1, scale, sg, stride); break;                              \
+            case 2: score16_dot(keys, qg, HD, 2, scale, sg, stride); break;                              \
+            case 3: score16_dot(keys, qg, HD, 3, scale, sg, stride); break;                              \
+            default: score16_dot(keys, qg, HD, 4, scale, sg, stride); break;                             \
+            }                                                                                            \
+        }                                                                                                \
+    }                                                                                                    \
+    static void weigh_block_dot_##HD(const uint16_t *values, int64_t row_stride, const uint32_t *p,      \
+                                     int64_t p_stride, int64_t groups, float *acc) {                     \
+        for (int64_t g = 0; g < groups; g += CHUNK) {                                                    \
+            const uint32_t *pg = p + g * p_stride;                                                       \
+            float *ag = acc + g * HD;                                                                    \
+            switch (groups - g < CHUNK ? groups - g : CHUNK) {                                           \
+            case 1: weigh16_dot(values, row_stride, pg, p_stride, HD, 1, ag); break;                     \
+            case 2: weigh16_dot(values, row_stride, pg, p_stride, HD, 2, ag); break;                     \
+            case 3: weigh16_dot(values, row_stride, pg, p_stride, HD, 3, ag); break;                     \
+            default: weigh16_dot(values, row_stride, pg, p_stride, HD, CHUNK, ag); break;                \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
+DEFINE_DECODE_BLOCK_DOT(64, 4)
+DEFINE_DECODE_BLOCK_DOT(128, 2)
+
+/* One work item (sequence s, KV heads h_lo..h_hi) of decode attention on bfloat16 pools with the dot
+ * products. scores: num_heads rows of span floats; pairs: num_heads rows of span / 2; acc: num_heads
+ * rows of head_dim. */
+static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
+                            const int64_t *table, uint16_t *out, int64_t h_lo, int64_t h_hi, int64_t groups,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t b0, int64_t nb, int64_t lo,
+                            int64_t hi, float scale, float *scores, uint32_t *pairs, float *acc) {
+    const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
+    const int64_t span = (nb - b0) * 16;
+    const uint32_t *q32 = (const uint32_t *)q;
+    for (int64_t b = b0; b < nb; b++) {
+        const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+        for (int64_t h = h_lo; h < h_hi; h++) {
+            prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, PAGELLM_BF16);
+            const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+            float *dst = scores + h * groups * span + (b - b0) * 16;
+            const uint32_t *qh = q32 + h * groups * head_dim / 2;
+            if (head_dim == 64) {
+                score_block_dot_64(kb, qh, groups, scale, dst, span);
+            } else {
+                score_block_dot_128(kb, qh, groups, scale, dst, span);
+            }
+        }
+    }
+    for (int64_t hq = h_lo * groups; hq < h_hi * groups; hq++) {
+        softmax(scores + hq * span, lo, hi, span);
+        for (int64_t t = 0; t < span; t += 16) /* 16 probabilities -> 8 pairs of bfloat16 */
+            _mm256_storeu_si256((__m256i *)(pairs + hq * (span / 2) + t / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + hq * span + t)));
+        for (int64_t d = 0; d < head_dim; d++) acc[hq * head_dim + d] = 0.0f;
+    }
+    for (int64_t b = b0; b < nb; b++) {
+        const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+        for (int64_t h = h_lo; h < h_hi; h++) {
+            for (int64_t t = 0; t < 16 && next >= 0; t++)
+                prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, PAGELLM_BF16);
+            const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
+            const uint32_t *p = pairs + h * groups * (span / 2) + (b - b0) * 8;
+            float *o = acc + h * groups * head_dim;
+            if (head_dim == 64) {
+                weigh_block_dot_64(vb, num_kv_heads * head_dim, p, span / 2, groups, o);
+            } else {
+                weigh_block_dot_128(vb, num_kv_heads * head_dim, p, span / 2, groups, o);
+            }
+        }
+    }
+    /* Undo the unpack order: in each 32-wide chunk, lane 4 * L + j of `lo` is element 8 * L + j and
+     * of `hi` element 8 * L + 4 + j (L: the 128-bit lane, j < 4). */
+    float row[128];
+    for (int64_t hq = h_lo * groups; hq < h_hi * groups; hq++) {
+        const float *a = acc + hq * head_dim;
+        for (int64_t c = 0; c < head_dim; c += 32)
+            for (int L = 0; L < 4; L++)
+                for (int j = 0; j < 4; j++) {
+                    row[c + 8 * L + j] = a[c + 4 * L + j];
+                    row[c + 8 * L + 4 + j] = a[c + 16 + 4 * L + j];
+                }
+        store_floats(out, hq * head_dim, head_dim, PAGELLM_BF16, row);
+    }
+}
+#else
+static int use_dot_products = 0;
+#endif
+
+/* Whether decode attention on bfloat16 pools uses the bfloat16 dot products where they were compiled
+ * in (1, the default) or the portable vector path (0: the float32 path's bits; tests compare both).
+ * Returns the previous setting, or -1 where the CPU (or compiler) has no such instructions. */
+int pagellm_bf16_dot_products(int enable) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const int before = use_dot_products;
+    use_dot_products = enable != 0;
+    return before;
+#else
+    (void)enable;
+    return -1;
+#endif
+}
+
 /* Floats of scratch each thread needs. */
 int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks) {
-    /* queries + outputs (all heads), scores (all heads x context), one KV head's key block, one value row */
-    return 2 * num_heads * head_dim + num_heads * max_blocks * block_size + head_dim * block_size + head_dim;
+    /* queries + outputs (all heads), scores (all heads x context), one KV head's key block, one value
+     * row, the probabilities as bfloat16 pairs (all heads x context / 2) */
+    return 2 * num_heads * head_dim + num_heads * max_blocks * block_size + head_dim * block_size + head_dim +
+           num_heads * max_blocks * block_size / 2 + 1;
 }
 
 /* q, out: [num_seqs, num_heads, head_dim]; tables: [num_seqs, max_blocks] block ids; lens: [num_seqs]
@@ -240,6 +415,7 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
         float *scores = acc + num_heads * head_dim;              /* num_heads rows of `span` */
         float *keys = scores + num_heads * max_blocks * block_size;
         float *vrow = keys + head_elems;
+        uint32_t *pairs = (uint32_t *)(vrow + head_dim);
         /* A work item is a sequence and a range of its KV heads: all heads when there is a sequence
          * for every thread (whole blocks are read in one run), one head each otherwise (a lone
          * sequence still uses every thread). */
@@ -256,6 +432,15 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
             const int64_t span = (nb - b0) * block_size; /* scores cover whole blocks b0 .. nb-1 */
             const int64_t *table = tables + s * max_blocks;
             const int64_t q_offset = (s * num_heads + q_lo) * head_dim, q_elems = (q_hi - q_lo) * head_dim;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            if (vector_bf16 && use_dot_products) {
+                decode_item_dot((const uint16_t *)q + s * num_heads * head_dim, k_pool, v_pool, table,
+                                (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
+                                head_dim, b0, nb, first - b0 * block_size, len - b0 * block_size, scale, scores,
+                                pairs, acc);
+                continue;
+            }
+#endif
             load_floats(q, q_offset, q_elems, dtype, qf + q_lo * head_dim);
             for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) qf[i] *= scale;
 

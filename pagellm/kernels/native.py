@@ -126,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
     lib.pagellm_paged_prefill_attention.argtypes = (
         [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+    lib.pagellm_bf16_dot_products.restype = ctypes.c_int
+    lib.pagellm_bf16_dot_products.argtypes = [ctypes.c_int]
     lib.pagellm_write_kv.restype = None
     lib.pagellm_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.pagellm_argmax_logsumexp.restype = None
@@ -175,6 +177,15 @@ def paged_prefill_attention(
     if status != 0:
         raise ValueError(f"native prefill attention does not take block_size {block_size} / head_dim {head_dim}")
     return out
+
+
+def use_bf16_dot_products(enable: bool) -> Optional[bool]:
+    """Decode attention on bfloat16 pools: the CPU's bfloat16 dot products (True, the default where the
+    CPU has AVX512-BF16) or the portable vector path (False; the float32 path's bits). Returns the
+    previous setting, or None where there are no such instructions (or no kernels)."""
+    lib = load()
+    before = -1 if lib is None else lib.pagellm_bf16_dot_products(int(enable))
+    return None if before < 0 else bool(before)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -75,26 +75,37 @@ def _check_decode(dtype, block_size, heads, kv_heads, window, lens, d):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_bf16_vector_path_gives_the_float32_path_bits(head_dim, heads, kv_heads, window, threads):
-    """bfloat16 pools at block_size 16 and head_dim 64/128 take their own vector path; its sums run in
-    the float32 path's order, so the output is that path's, rounded once to bfloat16."""
+def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads):
+    """bfloat16 pools at block_size 16 and head_dim 64/128 take their own vector paths. The portable one
+    sums in the float32 path's order, so its output is that path's, rounded once to bfloat16. The one
+    with the CPU's bfloat16 dot products (where there are some) pairs its sums and weighs the values
+    with bfloat16 probabilities: attention to bfloat16's precision."""
     lens = [1, 16, 17, 40, 3]
     k16, v16, tables, keys, values = _cache_with_history(lens, 16, kv_heads, head_dim, torch.bfloat16)
     q = torch.randn(len(lens), heads, head_dim).to(torch.bfloat16)
     scratch = native.scratch_for(heads, head_dim, 16, tables.shape[1])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    had_dot = native.use_bf16_dot_products(False)
     try:
-        got = native.paged_decode_attention(q, k16, v16, tables, torch.tensor(lens), scratch, head_dim**-0.5, window)
+        portable = native.paged_decode_attention(q, k16, v16, tables, torch.tensor(lens), scratch, head_dim**-0.5,
+                                                 window)
+        native.use_bf16_dot_products(True)
+        dot = native.paged_decode_attention(q, k16, v16, tables, torch.tensor(lens), scratch, head_dim**-0.5, window)
         want = native.paged_decode_attention(q.float(), k16.float(), v16.float(), tables, torch.tensor(lens),
                                              scratch, head_dim**-0.5, window)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(got, want.to(torch.bfloat16))
+        if had_dot is not None:
+            native.use_bf16_dot_products(had_dot)
+    assert torch.equal(portable, want.to(torch.bfloat16))
     for i, n in enumerate(lens):  # and both are attention
         ref = _reference(q[i : i + 1].double(), keys[i].double(), values[i].double(), [n - 1], window,
                          head_dim**-0.5)
-        torch.testing.assert_close(got[i].double(), ref[0], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(portable[i].double(), ref[0], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(dot[i].double(), ref[0], atol=2e-2, rtol=2e-2)
+    if had_dot is None:  # no such instructions here: the portable path ran both times
+        assert torch.equal(dot, portable)
 
 
 @needs_kernel
