@@ -395,10 +395,10 @@ int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t bloc
            num_heads * max_blocks * block_size / 2 + 1;
 }
 
-/* q, out: [num_seqs, num_heads, head_dim]; tables: [num_seqs, max_blocks] block ids; lens: [num_seqs]
+/* q, out: [num_seqs, num_heads, head_dim] (q with q_stride elements between sequences); tables: [num_seqs, max_blocks] block ids; lens: [num_seqs]
  * context lengths (>= 1). With window > 0 only the last `window` positions are attended.
  * scratch: num_threads * pagellm_scratch_floats(...) floats. */
-void pagellm_paged_decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
+void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
                                     const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     int64_t max_blocks, int64_t window, float scale, int dtype, int num_threads,
@@ -431,10 +431,11 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
             const int64_t b0 = first / block_size, nb = (len + block_size - 1) / block_size;
             const int64_t span = (nb - b0) * block_size; /* scores cover whole blocks b0 .. nb-1 */
             const int64_t *table = tables + s * max_blocks;
-            const int64_t q_offset = (s * num_heads + q_lo) * head_dim, q_elems = (q_hi - q_lo) * head_dim;
+            const int64_t q_offset = s * q_stride + q_lo * head_dim, q_elems = (q_hi - q_lo) * head_dim;
+            const int64_t out_offset = (s * num_heads + q_lo) * head_dim;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (vector_bf16 && use_dot_products) {
-                decode_item_dot((const uint16_t *)q + s * num_heads * head_dim, k_pool, v_pool, table,
+                decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
                                 (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
                                 head_dim, b0, nb, first - b0 * block_size, len - b0 * block_size, scale, scores,
                                 pairs, acc);
@@ -502,7 +503,7 @@ void pagellm_paged_decode_attention(const void *q, const void *k_pool, const voi
                     }
                 }
             }
-            store_floats(out, q_offset, q_elems, dtype, acc + q_lo * head_dim);
+            store_floats(out, out_offset, q_elems, dtype, acc + q_lo * head_dim);
         }
     }
 }

@@ -120,7 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
-        [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+        [ptr, i64] + [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
     lib.pagellm_prefill_scratch_floats.restype = i64
     lib.pagellm_prefill_scratch_floats.argtypes = [i64, i64, i64]
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
@@ -253,7 +253,7 @@ def scratch_for(num_heads: int, head_dim: int, block_size: int, max_blocks: int)
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim): heads contiguous, any stride between sequences
     k_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_dim, block_size)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     tables: torch.Tensor,  # (num_seqs, max_blocks) int64, padded with any valid block id
@@ -269,7 +269,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
-    q = _query_for(q, k_cache, v_cache, any_token_stride=False)
+    q = _query_for(q, k_cache, v_cache, any_token_stride=True)
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"need one block-table row and one length per query: q {tuple(q.shape)}, "
                          f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
@@ -280,11 +280,12 @@ def paged_decode_attention(
     if scratch.numel() < threads * per_thread:
         scratch = torch.empty(threads * per_thread, dtype=torch.float32)  # threads were raised mid-step
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=dtype)
     elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)}")
     load().pagellm_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
         DTYPE_CODES[dtype], threads, scratch.data_ptr())
     return out

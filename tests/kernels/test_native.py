@@ -82,7 +82,8 @@ def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads):
     with bfloat16 probabilities: attention to bfloat16's precision."""
     lens = [1, 16, 17, 40, 3]
     k16, v16, tables, keys, values = _cache_with_history(lens, 16, kv_heads, head_dim, torch.bfloat16)
-    q = torch.randn(len(lens), heads, head_dim).to(torch.bfloat16)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # strided, as the model passes it
     scratch = native.scratch_for(heads, head_dim, 16, tables.shape[1])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
