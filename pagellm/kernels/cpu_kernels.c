@@ -573,6 +573,123 @@ int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, 
 DEFINE_PREFILL_TILE(64, 4)
 DEFINE_PREFILL_TILE(128, 2)
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The same tile with the bfloat16 dot products (see the decode path): kp: the key block as HD / 2
+ * pair-permuted rows; vp: the value block as 8 token pairs x HD / 16 unpacked halves; q: TILE_ROWS
+ * rows of HD / 2 bfloat16 pairs; acc: TILE_ROWS rows in unpack order. */
+#define DEFINE_PREFILL_TILE_DOT(HD, TILE_ROWS)                                                              \
+    static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale,  \
+                                      float *acc, float *run_max, float *run_sum, const int64_t *lo,         \
+                                      const int64_t *hi) {                                                   \
+        __m512 s[TILE_ROWS];                                                                             \
+        for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_setzero_ps();                                  \
+        for (int i = 0; i < HD / 2; i++)                                                                 \
+            for (int r = 0; r < TILE_ROWS; r++)                                                          \
+                s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)kp[i], (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i])); \
+        float p[TILE_ROWS][16], rescale[TILE_ROWS];                                                      \
+        for (int r = 0; r < TILE_ROWS; r++) {                                                            \
+            float sc[16];                                                                                \
+            _mm512_storeu_ps(sc, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));                            \
+            float m = run_max[r];                                                                        \
+            for (int64_t t = lo[r]; t < hi[r]; t++) m = sc[t] > m ? sc[t] : m;                           \
+            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
+            float sum = 0.0f;                                                                            \
+            for (int t = 0; t < 16; t++) {                                                               \
+                p[r][t] = t >= lo[r] && t < hi[r] ? fast_exp(sc[t] - m) : 0.0f;                          \
+                sum += p[r][t];                                                                          \
+            }                                                                                            \
+            run_max[r] = m;                                                                              \
+            run_sum[r] = run_sum[r] * rescale[r] + sum;                                                  \
+        }                                                                                                \
+        uint32_t pairs[TILE_ROWS][8];                                                                    \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            _mm256_storeu_si256((__m256i *)pairs[r], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]))); \
+        __m512 o[TILE_ROWS][HD / 16];                                                                    \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int c = 0; c < HD / 16; c++)                                                            \
+                o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + c * 16), _mm512_set1_ps(rescale[r])); \
+        for (int m = 0; m < 8; m++)                                                                      \
+            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[r][m]);                        \
+                for (int c = 0; c < HD / 16; c++)                                                        \
+                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)vp[m * (HD / 16) + c], w);             \
+            }                                                                                            \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(acc + r * HD + c * 16, o[r][c]);          \
+    }
+
+DEFINE_PREFILL_TILE_DOT(64, 4)
+DEFINE_PREFILL_TILE_DOT(128, 2)
+
+/* One work item (query tokens i0..i1 of KV head h) of prefill attention on bfloat16 pools with the dot
+ * products; qp, acc: `padded` rows (token * groups + g) of head_dim / 2 pairs and head_dim floats. */
+static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                             const int64_t *table, uint16_t *out, int64_t i0, int64_t i1, int64_t h, int64_t cached,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                             float scale, int64_t padded, uint32_t *qp, float *acc, float *run_max,
+                             float *run_sum) {
+    const int64_t groups = num_heads / num_kv_heads, tile = head_dim == 64 ? 4 : 2;
+    const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
+    const int64_t rows = (i1 - i0) * groups, half = head_dim / 2;
+    for (int64_t e = 0; e < padded * half; e++) qp[e] = 0;
+    for (int64_t e = 0; e < padded * head_dim; e++) acc[e] = 0.0f;
+    for (int64_t r = 0; r < padded; r++) {
+        run_max[r] = -INFINITY;
+        run_sum[r] = 0.0f;
+    }
+    for (int64_t i = i0; i < i1; i++) /* the rows of a token: its query heads of KV head h, as pairs */
+        memcpy(qp + (i - i0) * groups * half, q + i * q_stride + h * groups * head_dim,
+               (size_t)(groups * head_dim) * sizeof(uint16_t));
+    __m512i kp[64], vp[64]; /* head_dim / 2 key row pairs; 8 token pairs x head_dim / 16 value halves */
+    const int64_t first_pos = cached + i0, last_pos = cached + i1 - 1;
+    const int64_t lo_pos = window > 0 && first_pos + 1 > window ? first_pos + 1 - window : 0;
+    for (int64_t b = lo_pos / 16; b <= last_pos / 16; b++) {
+        const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+        const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
+        for (int64_t i = 0; i < half; i++) kp[i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
+        for (int64_t m = 0; m < 8; m++)
+            for (int64_t c = 0; c < head_dim / 32; c++) {
+                const __m512i a = _mm512_loadu_si512(vb + 2 * m * num_kv_heads * head_dim + 32 * c);
+                const __m512i bb = _mm512_loadu_si512(vb + (2 * m + 1) * num_kv_heads * head_dim + 32 * c);
+                vp[m * (head_dim / 16) + 2 * c] = _mm512_unpacklo_epi16(a, bb);
+                vp[m * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
+            }
+        for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+            int64_t lo[4] = {0}, hi[4] = {0}; /* attended lanes of this block, per tile row */
+            int any = 0;
+            for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
+                const int64_t pos = cached + i0 + r / groups;
+                const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                lo[r - r0] = first > b * 16 ? first - b * 16 : 0;
+                hi[r - r0] = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
+                if (hi[r - r0] < lo[r - r0]) hi[r - r0] = lo[r - r0];
+                any |= hi[r - r0] > lo[r - r0];
+            }
+            if (!any) continue;
+            if (head_dim == 64) {
+                prefill_tile_dot_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                    run_sum + r0, lo, hi);
+            } else {
+                prefill_tile_dot_128(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                     run_sum + r0, lo, hi);
+            }
+        }
+    }
+    float row[128];
+    for (int64_t r = 0; r < rows; r++) { /* normalise, undo the unpack order (see decode_item_dot) */
+        const float inv = 1.0f / run_sum[r], *a = acc + r * head_dim;
+        for (int64_t c = 0; c < head_dim; c += 32)
+            for (int L = 0; L < 4; L++)
+                for (int j = 0; j < 4; j++) {
+                    row[c + 8 * L + j] = a[c + 4 * L + j] * inv;
+                    row[c + 8 * L + 4 + j] = a[c + 16 + 4 * L + j] * inv;
+                }
+        const int64_t i = i0 + r / groups, g = r % groups;
+        store_floats(out, (i * num_heads + h * groups + g) * head_dim, head_dim, PAGELLM_BF16, row);
+    }
+}
+#endif
+
 /* q: [q_len, num_heads, head_dim] with q_stride elements between tokens; out: [q_len, num_heads,
  * head_dim] contiguous; table: the sequence's block ids; query i is at position cached + i.
  * Returns 0, or -1 for a shape it was not written for (nothing done). */
@@ -603,6 +720,14 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
             const int64_t i0 = item / num_kv_heads * PREFILL_TOKENS;
             const int64_t i1 = i0 + PREFILL_TOKENS < q_len ? i0 + PREFILL_TOKENS : q_len;
             const int64_t rows = (i1 - i0) * groups;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+            if (dtype == PAGELLM_BF16 && use_dot_products) {
+                prefill_item_dot(q, q_stride, k_pool, v_pool, table, out, i0, i1, h, cached, num_heads,
+                                 num_kv_heads, head_dim, window, scale, padded, (uint32_t *)qf, acc, run_max,
+                                 run_sum);
+                continue;
+            }
+#endif
             for (int64_t e = 0; e < padded * head_dim; e++) qf[e] = acc[e] = 0.0f;
             for (int64_t r = 0; r < padded; r++) {
                 run_max[r] = -INFINITY;

@@ -307,11 +307,18 @@ def test_prefill_matches_dense_attention(dtype, heads, kv_heads, head_dim, cache
     qkv = torch.randn(new, (heads + 2 * kv_heads) * head_dim).to(dtype)
     q = qkv[:, : heads * head_dim].view(new, heads, head_dim)  # rows strided by the qkv width
     assert native.prefill_supported(k_cache)
-    out = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], cached, head_dim**-0.5, window)
     want = _reference(q.double(), keys[0].double(), values[0].double(), list(range(cached, total)), window,
                       head_dim**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    # bfloat16: with the CPU's bfloat16 dot products where it has them, and on the portable path.
+    for dot in (True, False):
+        had_dot = native.use_bf16_dot_products(dot)
+        try:
+            out = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], cached, head_dim**-0.5, window)
+        finally:
+            if had_dot is not None:
+                native.use_bf16_dot_products(had_dot)
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 def test_prefill_kernel_shapes():
