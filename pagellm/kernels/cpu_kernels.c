@@ -226,6 +226,24 @@ DEFINE_DECODE_BLOCK_BF16(128, 2)
 #include <immintrin.h>
 static int use_dot_products = 1;
 
+/* fast_exp on 16 lanes (the same steps). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(x, _mm512_set1_ps(88.0f)));
+    const __m512 shift = _mm512_set1_ps(12582912.0f);
+    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), shift), shift);
+    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
 /* 16 pairs (K[d][t], K[d + 1][t]) from the 32 words of rows d and d + 1. */
 static inline __m512i pair_key_rows(__m512i rows) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -586,24 +604,19 @@ DEFINE_PREFILL_TILE(128, 2)
         for (int i = 0; i < HD / 2; i++)                                                                 \
             for (int r = 0; r < TILE_ROWS; r++)                                                          \
                 s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)kp[i], (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i])); \
-        float p[TILE_ROWS][16], rescale[TILE_ROWS];                                                      \
-        for (int r = 0; r < TILE_ROWS; r++) {                                                            \
-            float sc[16];                                                                                \
-            _mm512_storeu_ps(sc, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));                            \
-            float m = run_max[r];                                                                        \
-            for (int64_t t = lo[r]; t < hi[r]; t++) m = sc[t] > m ? sc[t] : m;                           \
-            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
-            float sum = 0.0f;                                                                            \
-            for (int t = 0; t < 16; t++) {                                                               \
-                p[r][t] = t >= lo[r] && t < hi[r] ? fast_exp(sc[t] - m) : 0.0f;                          \
-                sum += p[r][t];                                                                          \
-            }                                                                                            \
-            run_max[r] = m;                                                                              \
-            run_sum[r] = run_sum[r] * rescale[r] + sum;                                                  \
-        }                                                                                                \
+        float rescale[TILE_ROWS];                                                                        \
         uint32_t pairs[TILE_ROWS][8];                                                                    \
-        for (int r = 0; r < TILE_ROWS; r++)                                                              \
-            _mm256_storeu_si256((__m256i *)pairs[r], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p[r]))); \
+        for (int r = 0; r < TILE_ROWS; r++) { /* online softmax over the row's attended lanes */         \
+            const __mmask16 live = (__mmask16)(((1u << hi[r]) - 1u) & ~((1u << lo[r]) - 1u));           \
+            const __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));                                \
+            const float block_max = _mm512_mask_reduce_max_ps(live, sc);                                 \
+            const float m = block_max > run_max[r] ? block_max : run_max[r];                             \
+            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
+            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));     \
+            run_max[r] = m;                                                                              \
+            run_sum[r] = run_sum[r] * rescale[r] + _mm512_reduce_add_ps(p);                              \
+            _mm256_storeu_si256((__m256i *)pairs[r], (__m256i)_mm512_cvtneps_pbh(p));                    \
+        }                                                                                                \
         __m512 o[TILE_ROWS][HD / 16];                                                                    \
         for (int r = 0; r < TILE_ROWS; r++)                                                              \
             for (int c = 0; c < HD / 16; c++)                                                            \
