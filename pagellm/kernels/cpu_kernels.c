@@ -795,12 +795,13 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
  * Each new token's K and V (rows of num_kv_heads * head_dim elements, of `elem` bytes, any stride
  * between rows: they are views of the fused qkv projection) go to its slot: the value row as one
  * copy, the key row scattered down its block's transposed columns. One call per layer instead of two
- * indexed PyTorch writes; tokens are spread over the threads for prefill-sized batches. */
+ * indexed PyTorch writes. A key row touches a cache line every 32 bytes of its block (the transposed
+ * layout), so even a decode batch is spread over the threads. */
 void pagellm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                       int64_t tokens, void *k_pool, void *v_pool, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t elem, int num_threads) {
     const int64_t row = num_kv_heads * head_dim;
-#pragma omp parallel for schedule(static) if (tokens >= 64) num_threads(num_threads)
+#pragma omp parallel for schedule(static) if (tokens >= 8) num_threads(num_threads)
     for (int64_t i = 0; i < tokens; i++) {
         const int64_t b = slots[i] / block_size, o = slots[i] % block_size;
         memcpy((char *)v_pool + (b * block_size + o) * row * elem, (const char *)v + i * v_stride * elem,
