@@ -94,6 +94,9 @@ class LLMEngine:
         torch.manual_seed(args.seed)
 
         self.tokenizer = self._load_tokenizer(args.tokenizer or str(folder))
+        # Decoding several tokens at once gives the streamed text unless the tokenizer cleans up spaces
+        # around punctuation ("do" "n't"), which depends on where a decoded window starts.
+        self._decode_at_end_matches_stream = not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
         self.model = loader.load_model(folder, config, self.dtype, self.device, args.load_format, self.max_model_len)
         self.vocab_size = config.vocab_size
 
@@ -467,7 +470,8 @@ class LLMEngine:
         params = seq.params
         if not params.detokenize:
             return
-        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings and not seq.is_finished:
+        if (params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings and not seq.is_finished
+                and self._decode_at_end_matches_stream):
             return  # nobody reads the text before the end and no stop string needs it: decode once then
         pending = seq.output_token_ids[seq.detok.num_tokens:]
         ended_by_token = seq.status is SequenceStatus.FINISHED_STOPPED

@@ -1,8 +1,10 @@
 /* pagellm's native CPU kernels: paged decode attention, the sampler's argmax + logsumexp, and the
  * element-wise layers RMSNorm and rotary embedding in one pass each.
  *
- * Paged decode attention: one query token per sequence, K and V read in place from the pools; the
- * writes of new tokens' K/V into the pools.
+ * Paged decode attention: one query token per sequence, K and V read in place from the pools; paged
+ * prefill attention (flash-style tiles); the writes of new tokens' K/V into the pools. On CPUs with
+ * AVX512-BF16 both attention kernels use its bfloat16 dot products; a portable path (GCC vector
+ * extensions) serves other CPUs.
  *
  * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
  *   keys   [num_blocks, num_kv_heads, head_dim, block_size]  (transposed per block)
@@ -391,9 +393,11 @@ static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uin
 static int use_dot_products = 0;
 #endif
 
-/* Whether decode attention on bfloat16 pools uses the bfloat16 dot products where they were compiled
- * in (1, the default) or the portable vector path (0: the float32 path's bits; tests compare both).
- * Returns the previous setting, or -1 where the CPU (or compiler) has no such instructions. */
+/* Whether attention (decode and prefill) on bfloat16 pools uses the bfloat16 dot products where they
+ * were compiled in (1, the default) or the portable paths (0; decode then gives the float32 path's
+ * bits). Process-wide and read without synchronisation: set it only while no kernel runs (tests
+ * compare both). Returns the previous setting, or -1 where the CPU (or compiler) has no such
+ * instructions. */
 int pagellm_bf16_dot_products(int enable) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int before = use_dot_products;

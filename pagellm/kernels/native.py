@@ -180,9 +180,10 @@ def paged_prefill_attention(
 
 
 def use_bf16_dot_products(enable: bool) -> Optional[bool]:
-    """Decode attention on bfloat16 pools: the CPU's bfloat16 dot products (True, the default where the
-    CPU has AVX512-BF16) or the portable vector path (False; the float32 path's bits). Returns the
-    previous setting, or None where there are no such instructions (or no kernels)."""
+    """Attention (decode and prefill) on bfloat16 pools: the CPU's bfloat16 dot products (True, the
+    default where the CPU has AVX512-BF16) or the portable paths (False; decode then gives the float32
+    path's bits). Process-wide: switch only while no kernel runs. Returns the previous setting, or None
+    where there are no such instructions (or no kernels)."""
     lib = load()
     before = -1 if lib is None else lib.pagellm_bf16_dot_products(int(enable))
     return None if before < 0 else bool(before)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -43,29 +45,25 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _HUGE_PAGE = 2 << 20
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory asks Linux for transparent huge pages (``MADV_HUGEPAGE``).
+    """A zeroed CPU tensor in a fresh anonymous mapping that asks Linux for transparent huge pages.
 
     Decode attention reads the KV pools in 16 KiB blocks scattered over hundreds of MiB: with 4 KiB
     pages nearly every block costs TLB misses, with 2 MiB pages few do (10-15% faster attention
-    here). The advice is given before the memory is first touched, so the zeroing faults in huge
-    pages; where it is refused (THP off, not Linux) the tensor is the same, on small pages.
+    here). A fresh mapping (not heap memory that may already sit on small pages) with
+    ``MADV_HUGEPAGE`` gets huge pages as it is first written; it is written (zeroed) here, so that
+    those page faults happen at start-up and not under the first requests. Where that is not
+    available (not Linux, THP off, small tensors) the tensor is the same, on small pages.
     """
-    t = torch.empty(shape, dtype=dtype)
-    if sys.platform.startswith("linux") and t.numel() * t.element_size() >= 2 * _HUGE_PAGE:
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # madvise wants page-aligned ranges: the whole 2 MiB pages inside
-        hi = end // _HUGE_PAGE * _HUGE_PAGE
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if sys.platform.startswith("linux") and size >= 2 * _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-                logger.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
-        except (OSError, AttributeError):
-            pass
-    return t.zero_()
+            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            memory.madvise(mmap.MADV_HUGEPAGE)
+            return torch.frombuffer(memory, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
+        except (OSError, ValueError) as e:  # THP compiled out, mapping refused
+            logger.debug("no huge-page mapping for a %d-byte pool: %s", size, e)
+    return torch.zeros(shape, dtype=dtype)

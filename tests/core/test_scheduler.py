@@ -158,7 +158,6 @@ def test_random_workloads_keep_invariants_and_always_finish(ops, block_size, chu
 SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]
 
 
-@settings(max_examples=80, deadline=None)
 def _slots_holding_tokens(kv: KVCacheManager, seqs) -> int:
     """Every block's fill, by walking every table block by block (what stats() avoids)."""
     filled: dict[int, int] = {b.block_id: kv.block_size for b in kv.pinned}
@@ -169,6 +168,7 @@ def _slots_holding_tokens(kv: KVCacheManager, seqs) -> int:
     return sum(filled.values())
 
 
+@settings(max_examples=80, deadline=None)
 @given(
     ops=st.lists(
         st.one_of(

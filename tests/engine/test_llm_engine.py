@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from pagellm import LLM, LLMEngine, EngineArgs, SamplingParams
@@ -151,6 +154,7 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(llm):
         SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True, skip_special_tokens=False),
     ]
     engine = llm.llm_engine
+    assert engine._decode_at_end_matches_stream  # this tokenizer: decoded once at the end
     for i, params in enumerate(cases):
         finals = llm.generate(prompts, params, use_tqdm=False)  # FINAL_ONLY
         for j, prompt in enumerate(prompts):
@@ -166,3 +170,23 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(llm):
             if c.stop_reason is None:
                 assert c.text == tok.decode(c.token_ids, skip_special_tokens=params.skip_special_tokens)
     assert_all_blocks_free(llm)
+
+
+def test_tokenizers_that_clean_up_spaces_are_decoded_as_they_stream(llama_path, tmp_path):
+    """With clean_up_tokenization_spaces, the text of a window depends on where it starts ("do " + "n't"
+    streams as "do 't" but decodes at once as "don't"), so such requests are decoded every step."""
+    folder = tmp_path / "cleanup"
+    shutil.copytree(llama_path, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    llm = LLM(str(folder), max_model_len=128, num_kv_blocks=32, block_size=8)
+    engine = llm.llm_engine
+    assert engine.tokenizer.clean_up_tokenization_spaces and not engine._decode_at_end_matches_stream
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    (final,) = llm.generate(["Hello, world"], params, use_tqdm=False)
+    engine.add_request("streamed", "Hello, world", params)
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed = out.outputs[0].text
+    assert final.outputs[0].text == streamed

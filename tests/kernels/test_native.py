@@ -75,12 +75,12 @@ def _check_decode(dtype, block_size, heads, kv_heads, window, lens, d):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads):
+@pytest.mark.parametrize("lens", [[1, 16, 17, 40, 3], [37]])  # [37]: fewer sequences than threads, split by KV head
+def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads, lens):
     """bfloat16 pools at block_size 16 and head_dim 64/128 take their own vector paths. The portable one
     sums in the float32 path's order, so its output is that path's, rounded once to bfloat16. The one
     with the CPU's bfloat16 dot products (where there are some) pairs its sums and weighs the values
     with bfloat16 probabilities: attention to bfloat16's precision."""
-    lens = [1, 16, 17, 40, 3]
     k16, v16, tables, keys, values = _cache_with_history(lens, 16, kv_heads, head_dim, torch.bfloat16)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # strided, as the model passes it
@@ -296,7 +296,7 @@ def test_silu_and_mul_matches_pytorch(dtype, rows, inter):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (4, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (4, 1, 64), (14, 2, 64), (6, 2, 128)])
 @pytest.mark.parametrize("cached,new,window", [(0, 37, None), (0, 16, None), (21, 30, None), (40, 9, None),
                                                (0, 50, 20), (33, 17, 8)])
 def test_prefill_matches_dense_attention(dtype, heads, kv_heads, head_dim, cached, new, window):
