@@ -9,9 +9,10 @@ uses the same layout as 16-wide vector rows). Values are likewise summed straigh
 the attention probabilities as weights. Decode therefore never copies K or V.
 
 A step's flat batch holds the decode tokens first (one per sequence), then each
-prefill (or prefill chunk) as a run of tokens. On CPU, decodes go to the native kernel
-(``pagellm/kernels/cpu_kernels.c``: one pass over each sequence's own blocks, about
-twice as fast as the two ``embedding_bag`` calls). Elsewhere, or where it cannot be built,
+prefill (or prefill chunk) as a run of tokens. On CPU, new tokens' K/V are written and decodes
+attended by the native kernels (``pagellm/kernels/cpu_kernels.c``: one pass over each sequence's
+own blocks, with the CPU's bfloat16 dot products where it has them; about three times as fast as
+the two ``embedding_bag`` calls). Elsewhere, or where they cannot be built,
 decodes come in groups of similar context length (so that padding to the longest wastes
 little), each group attended to in one batched call. Each prefill attends over its new
 tokens plus the context already cached for it: on CPU through the native prefill kernel where
