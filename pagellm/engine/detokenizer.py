@@ -27,30 +27,32 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str:
-        """Append one token; return the text it completes (possibly empty)."""
-        self.ids.append(token_id)
+    def _release(self) -> Optional[str]:
+        """The text the tokens after ``read_offset`` add, moving the window past them; None (window
+        unchanged) while that text is empty or ends inside a character."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return full_text[len(prefix_text) :]
-        return ""
+        return None
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        return self._release() or ""
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Append several tokens; return the text they complete, as ``add`` one at a time would, but
         with two decodes in all (for requests whose text is read only at the end)."""
-        if len(token_ids) <= 1:
-            return self.add(token_ids[0]) if token_ids else ""
         start = len(self.ids)
         self.ids.extend(token_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full_text[len(prefix_text) :]
+        if len(token_ids) <= 1:
+            return self._release() or ""
+        text = self._release()
+        if text is not None:
+            return text
         # They end inside a character (or add nothing): token by token, which releases what is complete.
         del self.ids[start:]
         return "".join(self.add(t) for t in token_ids)

@@ -185,32 +185,32 @@ static inline __attribute__((always_inline)) void weigh16_bf16(const uint16_t *v
     for (int g = 0; g < ng; g++) memcpy(acc + g * hd, o[g], hd * sizeof(float));
 }
 
-/* The query heads of one KV head in chunks that keep their outputs in registers: 4 at head_dim 64
- * (16 vectors), 2 at 128. */
+/* Runs CALL(n) for each chunk of n <= CHUNK query heads of a KV head, starting at head g (in scope
+ * in CALL), with n a constant in each call: the inlined kernel then keeps its n heads' scores or
+ * outputs in vector registers. */
+#define FOR_HEAD_CHUNKS(groups, CHUNK, CALL)                                                             \
+    for (int64_t g = 0; g < (groups); g += (CHUNK)) {                                                    \
+        switch ((groups) - g < (CHUNK) ? (groups) - g : (CHUNK)) {                                       \
+        case 1: CALL(1); break;                                                                          \
+        case 2: CALL(2); break;                                                                          \
+        case 3: CALL(3); break;                                                                          \
+        default: CALL(CHUNK); break;                                                                     \
+        }                                                                                                \
+    }
+
+/* Chunks of 4 query heads for the scores; for the outputs 4 at head_dim 64 (16 vectors), 2 at 128. */
+#define SCORE_BF16(n) score16_bf16(keys, q + g * hd, hd, n, scores + g * stride, stride)
+#define WEIGH_BF16(n) weigh16_bf16(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
 #define DEFINE_DECODE_BLOCK_BF16(HD, CHUNK)                                                              \
     static void score_block_bf16_##HD(const uint16_t *keys, const float *q, int64_t groups, float *scores,  \
                                       int64_t stride) {                                                  \
-        for (int64_t g = 0; g < groups; g += 4) {                                                        \
-            switch (groups - g < 4 ? groups - g : 4) {                                                   \
-            case 1: score16_bf16(keys, q + g * HD, HD, 1, scores + g * stride, stride); break;           \
-            case 2: score16_bf16(keys, q + g * HD, HD, 2, scores + g * stride, stride); break;           \
-            case 3: score16_bf16(keys, q + g * HD, HD, 3, scores + g * stride, stride); break;           \
-            default: score16_bf16(keys, q + g * HD, HD, 4, scores + g * stride, stride); break;          \
-            }                                                                                            \
-        }                                                                                                \
+        const int hd = HD;                                                                               \
+        FOR_HEAD_CHUNKS(groups, 4, SCORE_BF16)                                                           \
     }                                                                                                    \
     static void weigh_block_bf16_##HD(const uint16_t *values, int64_t row_stride, const float *p,         \
                                       int64_t stride, int64_t groups, float *acc) {                      \
-        for (int64_t g = 0; g < groups; g += CHUNK) {                                                    \
-            const float *pg = p + g * stride;                                                            \
-            float *ag = acc + g * HD;                                                                    \
-            switch (groups - g < CHUNK ? groups - g : CHUNK) {                                           \
-            case 1: weigh16_bf16(values, row_stride, pg, stride, HD, 1, ag); break;                      \
-            case 2: weigh16_bf16(values, row_stride, pg, stride, HD, 2, ag); break;                      \
-            case 3: weigh16_bf16(values, row_stride, pg, stride, HD, 3, ag); break;                      \
-            default: weigh16_bf16(values, row_stride, pg, stride, HD, CHUNK, ag); break;                 \
-            }                                                                                            \
-        }                                                                                                \
+        const int hd = HD;                                                                               \
+        FOR_HEAD_CHUNKS(groups, CHUNK, WEIGH_BF16)                                                       \
     }
 
 DEFINE_DECODE_BLOCK_BF16(64, 4)
@@ -298,32 +298,18 @@ static inline __attribute__((always_inline)) void weigh16_dot(const uint16_t *va
         }
 }
 
+#define SCORE_DOT(n) score16_dot(keys, q + g * hd / 2, hd, n, scale, scores + g * stride, stride)
+#define WEIGH_DOT(n) weigh16_dot(values, row_stride, p + g * p_stride, p_stride, hd, n, acc + g * hd)
 #define DEFINE_DECODE_BLOCK_DOT(HD, CHUNK)                                                               \
     static void score_block_dot_##HD(const uint16_t *keys, const uint32_t *q, int64_t groups, float scale, \
                                      float *scores, int64_t stride) {                                    \
-        for (int64_t g = 0; g < groups; g += 4) {                                                        \
-            const uint32_t *qg = q + g * HD / 2;                                                         \
-            float *sg = scores + g * stride;                                                             \
-            switch (groups - g < 4 ? groups - g : 4) {                                                   \
-            case 1: score16_dot(keys, qg, HD, 1, scale, sg, stride); break;                              \
-            case 2: score16_dot(keys, qg, HD, 2, scale, sg, stride); break;                              \
-            case 3: score16_dot(keys, qg, HD, 3, scale, sg, stride); break;                              \
-            default: score16_dot(keys, qg, HD, 4, scale, sg, stride); break;                             \
-            }                                                                                            \
-        }                                                                                                \
+        const int hd = HD;                                                                               \
+        FOR_HEAD_CHUNKS(groups, 4, SCORE_DOT)                                                            \
     }                                                                                                    \
     static void weigh_block_dot_##HD(const uint16_t *values, int64_t row_stride, const uint32_t *p,      \
                                      int64_t p_stride, int64_t groups, float *acc) {                     \
-        for (int64_t g = 0; g < groups; g += CHUNK) {                                                    \
-            const uint32_t *pg = p + g * p_stride;                                                       \
-            float *ag = acc + g * HD;                                                                    \
-            switch (groups - g < CHUNK ? groups - g : CHUNK) {                                           \
-            case 1: weigh16_dot(values, row_stride, pg, p_stride, HD, 1, ag); break;                     \
-            case 2: weigh16_dot(values, row_stride, pg, p_stride, HD, 2, ag); break;                     \
-            case 3: weigh16_dot(values, row_stride, pg, p_stride, HD, 3, ag); break;                     \
-            default: weigh16_dot(values, row_stride, pg, p_stride, HD, CHUNK, ag); break;                \
-            }                                                                                            \
-        }                                                                                                \
+        const int hd = HD;                                                                               \
+        FOR_HEAD_CHUNKS(groups, CHUNK, WEIGH_DOT)                                                        \
     }
 
 DEFINE_DECODE_BLOCK_DOT(64, 4)
@@ -389,8 +375,6 @@ static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uin
         store_floats(out, hq * head_dim, head_dim, PAGELLM_BF16, row);
     }
 }
-#else
-static int use_dot_products = 0;
 #endif
 
 /* Whether attention (decode and prefill) on bfloat16 pools uses the bfloat16 dot products where they
@@ -437,7 +421,8 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
         float *scores = acc + num_heads * head_dim;              /* num_heads rows of `span` */
         float *keys = scores + num_heads * max_blocks * block_size;
         float *vrow = keys + head_elems;
-        uint32_t *pairs = (uint32_t *)(vrow + head_dim);
+        uint32_t *pairs = (uint32_t *)(vrow + head_dim); /* the dot-product path's bfloat16 probabilities */
+        (void)pairs;                                      /* (unused where that path is not compiled in) */
         /* A work item is a sequence and a range of its KV heads: all heads when there is a sequence
          * for every thread (whole blocks are read in one run), one head each otherwise (a lone
          * sequence still uses every thread). */
