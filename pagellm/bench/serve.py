@@ -50,11 +50,10 @@ class RequestTrace:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                      headers: dict[str, str], ignore_eos: bool, prompt_tokens: int) -> RequestTrace:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                      headers: dict[str, str], sampling: dict[str, Any], prompt_tokens: int) -> RequestTrace:
+    """One streamed completion; ``sampling``: the body's sampling fields (temperature, ignore_eos)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling,
                             "stream": True, "stream_options": {"include_usage": True}}
-    if ignore_eos:
-        body["ignore_eos"] = True
     trace = RequestTrace(ok=False, prompt_tokens=prompt_tokens)
     t0 = time.perf_counter()
     last = t0
@@ -87,7 +86,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 
 
 async def run_load(base_url: str, model: str, workload: Workload, prompts: list[str], rate: float,
-                   max_concurrency: Optional[int], headers: dict[str, str], ignore_eos: bool,
+                   max_concurrency: Optional[int], headers: dict[str, str], sampling: dict[str, Any],
                    seed: int) -> tuple[list[RequestTrace], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency or len(workload.prompts))
@@ -95,7 +94,7 @@ async def run_load(base_url: str, model: str, workload: Workload, prompts: list[
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         async def limited(prompt: str, out: int, num_prompt_tokens: int) -> RequestTrace:
             async with sem:
-                return await one_request(client, url, model, prompt, out, headers, ignore_eos, num_prompt_tokens)
+                return await one_request(client, url, model, prompt, out, headers, sampling, num_prompt_tokens)
 
         tasks = []
         t0 = time.perf_counter()
@@ -142,6 +141,13 @@ def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
     return out
 
 
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 2.0:  # the OpenAI API's range
+        raise argparse.ArgumentTypeError(f"{text} is not a temperature in [0, 2]")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="online latency and throughput against an OpenAI-compatible server")
     add_common_args(p)
@@ -156,6 +162,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy, as vllm bench serve)")
     p.add_argument("--label", default=None, help="name of the --base-url server in the results (default: external)")
     p.set_defaults(func=run)
 
@@ -208,17 +216,18 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
                  ignore_eos: bool) -> dict[str, Any]:
     """Each (rate, workload, text prompts) of ``loads`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    sampling: dict[str, Any] = {"temperature": args.temperature, **({"ignore_eos": True} if ignore_eos else {})}
     # One short request first, unmeasured: servers that warm up on their first request (transformers'
     # continuous batching does, for ~15 s) would otherwise charge it to the first rate.
     warm, warm_prompt = warm_up
     (trace,), _ = asyncio.run(run_load(base_url, served, warm, [warm_prompt], float("inf"), None, headers,
-                                       ignore_eos, args.seed))
+                                       sampling, args.seed))
     if not trace.ok:
         raise RuntimeError(f"the {label} server failed the warm-up request: {trace.error}")
     results = {}
     for rate, workload, prompts in loads:
         traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
-                                                headers, ignore_eos, args.seed))
+                                                headers, sampling, args.seed))
         summary = summarize(traces, duration, goodput)
         summary["workload_seed"] = workload.meta.get("seed")
         results[str(rate)] = summary
@@ -237,10 +246,10 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
 
 
 def _write_results(label: str, workload: Workload, model_name: str, goodput: dict[str, float],
-                   results: dict[str, Any], out: Path) -> None:
+                   results: dict[str, Any], out: Path, temperature: float) -> None:
     stem = f"serve-{label}-{workload.name}-{model_name}"
     payload = {"command": "serve", "label": label, "model": model_name, "workload": workload.name,
-               "goodput_slo_ms": goodput, "results": results}
+               "temperature": temperature, "goodput_slo_ms": goodput, "results": results}
     print(f"wrote {write_json(out / f'{stem}.json', payload)}")
     for rate, s in results.items():
         append_markdown_row(
@@ -304,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
         served = args.served_model_name or model_name
         all_results[label] = _load_server(label, args.base_url, served, loads, warm_up, args, goodput,
                                           not args.no_ignore_eos)
-        _write_results(label, workload, model_name, goodput, all_results[label], args.output_dir)
+        _write_results(label, workload, model_name, goodput, all_results[label], args.output_dir,
+                       args.temperature)
     else:
         for server in servers:
             proc, base_url = _launch(server, str(model), args)
@@ -316,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
                 proc.terminate()
                 proc.wait(timeout=60)
             # Written at once: a later server failing does not lose this one's measurement.
-            _write_results(server, workload, model_name, goodput, all_results[server], args.output_dir)
+            _write_results(server, workload, model_name, goodput, all_results[server], args.output_dir,
+                           args.temperature)
     if len(all_results) > 1:
         _compare(all_results)
     return 0

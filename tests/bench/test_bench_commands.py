@@ -60,10 +60,10 @@ def test_bench_memory_reports_paged_vs_contiguous(tmp_path, capsys):
 
 def test_bench_serve_against_a_launched_server(tmp_path, capsys):
     rc = main(["bench", "serve", *TINY, "--request-rate", "20", "inf", "--max-concurrency", "4",
-               "--goodput", "ttft:60000", "tpot:60000", "--output-dir", str(tmp_path)])
+               "--goodput", "ttft:60000", "tpot:60000", "--temperature", "0.7", "--output-dir", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "serve-pagellm-random-tiny-llama.json").read_text())
-    assert set(data["results"]) == {"20.0", "inf"}
+    assert set(data["results"]) == {"20.0", "inf"} and data["temperature"] == 0.7
     # Fresh requests per rate: a prefix cache never sees a prompt twice.
     assert [data["results"][r]["workload_seed"] for r in ("20.0", "inf")] == [0, 1]
     for summary in data["results"].values():
@@ -94,6 +94,14 @@ def test_bench_serve_sends_the_same_requests_to_pagellm_and_transformers_serve(t
 def test_bench_serve_rejects_conflicting_flags(tmp_path, capsys, flags, message):
     assert main(["bench", "serve", *TINY, *flags, "--output-dir", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["3", "-0.5", "nan"])
+def test_bench_serve_rejects_a_temperature_outside_the_api_range(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
+        main(["bench", "serve", *TINY, "--temperature", value, "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{value} is not a temperature in [0, 2]" in capsys.readouterr().err
 
 
 def test_goodput_parsing():
