@@ -528,6 +528,29 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
 /* Query rows (token, query head) of one work item, padded to a multiple of the tile height. */
 static inline int64_t prefill_rows(int64_t groups) { return (PREFILL_TOKENS * groups + 3) / 4 * 4; }
 
+/* First key position a query at `pos` attends (causal, within the window if any). */
+static inline int64_t prefill_first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
+/* For key block b and the tile of rows r0 .. r0 + tile - 1 (row r: query token first_query + r / groups),
+ * the lanes [lo[j], hi[j]) that row r0 + j attends (empty for padding rows); returns whether any row
+ * attends any lane of the block. */
+static inline int prefill_tile_lanes(int64_t b, int64_t r0, int64_t tile, int64_t rows, int64_t groups,
+                                     int64_t first_query, int64_t window, int64_t *lo, int64_t *hi) {
+    int any = 0;
+    for (int64_t j = 0; j < tile; j++) lo[j] = hi[j] = 0;
+    for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
+        const int64_t pos = first_query + r / groups, first = prefill_first_key(pos, window);
+        int64_t *l = lo + (r - r0), *h = hi + (r - r0);
+        *l = first > b * 16 ? first - b * 16 : 0;
+        *h = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
+        if (*h < *l) *h = *l;
+        any |= *h > *l;
+    }
+    return any;
+}
+
 int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
     const int64_t rows = prefill_rows(num_heads / num_kv_heads);
     /* queries + outputs, running max and sum, one key block [head_dim][16], one value block [16][head_dim] */
@@ -643,9 +666,7 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
         memcpy(qp + (i - i0) * groups * half, q + i * q_stride + h * groups * head_dim,
                (size_t)(groups * head_dim) * sizeof(uint16_t));
     __m512i kp[64], vp[64]; /* head_dim / 2 key row pairs; 8 token pairs x head_dim / 16 value halves */
-    const int64_t first_pos = cached + i0, last_pos = cached + i1 - 1;
-    const int64_t lo_pos = window > 0 && first_pos + 1 > window ? first_pos + 1 - window : 0;
-    for (int64_t b = lo_pos / 16; b <= last_pos / 16; b++) {
+    for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= (cached + i1 - 1) / 16; b++) {
         const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
         const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
         for (int64_t i = 0; i < half; i++) kp[i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
@@ -657,17 +678,8 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
                 vp[m * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
             }
         for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-            int64_t lo[4] = {0}, hi[4] = {0}; /* attended lanes of this block, per tile row */
-            int any = 0;
-            for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
-                const int64_t pos = cached + i0 + r / groups;
-                const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-                lo[r - r0] = first > b * 16 ? first - b * 16 : 0;
-                hi[r - r0] = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
-                if (hi[r - r0] < lo[r - r0]) hi[r - r0] = lo[r - r0];
-                any |= hi[r - r0] > lo[r - r0];
-            }
-            if (!any) continue;
+            int64_t lo[4], hi[4]; /* attended lanes of this block, per tile row */
+            if (!prefill_tile_lanes(b, r0, tile, rows, groups, cached + i0, window, lo, hi)) continue;
             if (head_dim == 64) {
                 prefill_tile_dot_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
                                     run_sum + r0, lo, hi);
@@ -740,26 +752,15 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
                 load_floats(q, i * q_stride + h * groups * head_dim, groups * head_dim, dtype, qi);
                 for (int64_t e = 0; e < groups * head_dim; e++) qi[e] *= scale;
             }
-            const int64_t first_pos = cached + i0, last_pos = cached + i1 - 1;
-            const int64_t lo_pos = window > 0 && first_pos + 1 > window ? first_pos + 1 - window : 0;
-            for (int64_t b = lo_pos / 16; b <= last_pos / 16; b++) {
+            for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= (cached + i1 - 1) / 16; b++) {
                 const int64_t base = table[b] * block_elems;
                 load_floats(k_pool, base + h * head_elems, head_elems, dtype, keys);
                 for (int64_t t = 0; t < 16; t++)
                     load_floats(v_pool, base + (t * num_kv_heads + h) * head_dim, head_dim, dtype,
                                 values + t * head_dim);
                 for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-                    int64_t lo[4] = {0}, hi[4] = {0}; /* attended lanes of this block, per tile row */
-                    int any = 0;
-                    for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
-                        const int64_t pos = cached + i0 + r / groups;
-                        const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-                        lo[r - r0] = first > b * 16 ? first - b * 16 : 0;
-                        hi[r - r0] = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
-                        if (hi[r - r0] < lo[r - r0]) hi[r - r0] = lo[r - r0];
-                        any |= hi[r - r0] > lo[r - r0];
-                    }
-                    if (!any) continue;
+                    int64_t lo[4], hi[4]; /* attended lanes of this block, per tile row */
+                    if (!prefill_tile_lanes(b, r0, tile, rows, groups, cached + i0, window, lo, hi)) continue;
                     const int64_t at = r0 * head_dim;
                     if (head_dim == 64) {
                         prefill_tile_64(keys, values, qf + at, acc + at, run_max + r0, run_sum + r0, lo, hi);
