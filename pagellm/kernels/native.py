@@ -138,6 +138,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_silu_and_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.pagellm_rotary.restype = None
     lib.pagellm_rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_linear_bf16_supported.restype = ctypes.c_int
+    lib.pagellm_linear_bf16_supported.argtypes = []
+    lib.pagellm_linear_packed_words.restype = i64
+    lib.pagellm_linear_packed_words.argtypes = [i64, i64]
+    lib.pagellm_pack_linear_weight.restype = None
+    lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.pagellm_linear_bf16.restype = ctypes.c_int
+    lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
 
 
 def prefill_supported(k_cache: torch.Tensor) -> bool:
@@ -346,3 +354,51 @@ def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tenso
                           cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], torch.get_num_threads())
     return True
 
+
+
+# ------------------------------------------------------------------ bfloat16 linear layers
+
+
+def linear_supported() -> bool:
+    """Whether ``linear_bf16`` runs here: native kernels with AVX512-BF16 and no AMX (where oneDNN's
+    tile instructions are faster)."""
+    lib = load()
+    return lib is not None and bool(lib.pagellm_linear_bf16_supported())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A (out_features, in_features) bfloat16 weight in ``linear_bf16``'s layout (int32 words).
+    Check ``linear_supported`` first."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"need a 2-D bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    weight = weight.contiguous()
+    n, k = weight.shape
+    lib = load()
+    packed = torch.empty(lib.pagellm_linear_packed_words(n, k), dtype=torch.int32)
+    lib.pagellm_pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    return packed
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (rows, in_features) bfloat16 (any stride between rows) times the weight packed by
+    ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given: (rows, out_features)
+    bfloat16, sums in float32 and rounded once."""
+    rows, in_features = x.shape
+    lib = load()
+    if (x.dtype != torch.bfloat16 or x.stride(1) != 1
+            or packed.numel() != lib.pagellm_linear_packed_words(out_features, in_features)):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a packed weight of {packed.numel()} words "
+                         f"for {out_features} outputs")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 tensor of {out_features}")
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows and out_features:
+        status = lib.pagellm_linear_bf16(x.data_ptr(), x.stride(0), rows, in_features, packed.data_ptr(), out_features,
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                         torch.get_num_threads())
+        if status == -2:
+            raise MemoryError(f"native linear: no memory for {rows} x {in_features} inputs")
+        if status != 0:
+            raise RuntimeError("native bfloat16 linear is not compiled in here (check linear_supported())")
+    return out

@@ -138,7 +138,5 @@ def load_model(
         with torch.no_grad():
             model.load_weights(iterate_weights(folder))
     model.eval()
-    packed = pack_linear_layers(model, dtype, device)
-    if packed:
-        logger.info("packed %d linear layers for oneDNN (bfloat16 on CPU)", packed)
+    pack_linear_layers(model, dtype, device)
     return model

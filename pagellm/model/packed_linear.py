@@ -1,10 +1,16 @@
-"""bfloat16 linear layers on CPU with their weights pre-packed for oneDNN.
+"""bfloat16 linear layers on CPU with their weights packed once for a faster kernel.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it reorders into its blocked layout on
-every call; at decode batch sizes that reorder costs as much as the multiply itself. Packing each
-weight once after loading (the same ops PyTorch's own compiler uses when it freezes a CPU model)
-makes the projections 1.2-3x faster with bit-identical results. Other devices and dtypes keep
-``nn.Linear``.
+every call; at decode batch sizes that reorder costs as much as the multiply itself. Each weight is
+therefore packed once after loading, for one of two kernels:
+
+- ``"native"``: pagellm's own (``pagellm/kernels``, the AVX512-BF16 dot products), on CPUs that have
+  them and no AMX. At decode's few to few dozen rows it runs 1.1-2x oneDNN's rate (the same at
+  prefill's thousands); sums in float32 as oneDNN, in another order, so the last bit may differ.
+- ``"onednn"``: oneDNN's packed layout (the ops PyTorch's own compiler uses when it freezes a CPU
+  model), 1.2-3x ``F.linear`` with bit-identical results; everywhere else oneDNN has bfloat16.
+
+Other devices and dtypes keep ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -16,44 +22,69 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import native
+
 logger = logging.getLogger(__name__)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` (already loaded) whose weight is kept in oneDNN's packed layout."""
+    """An ``nn.Linear`` (already loaded) whose weight is kept packed for ``kernel``."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn") -> None:
         super().__init__()
+        if kernel not in ("native", "onednn"):
+            raise ValueError(f"unknown linear kernel {kernel!r}: 'native' or 'onednn'")
+        self.kernel = kernel
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", _pack(linear.weight.detach()), persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+        if kernel == "native":
+            packed = native.pack_linear_weight(weight)
+            bias = None if bias is None else bias.float()  # added to the float32 sums before rounding
+        else:
+            packed = _onednn_pack(weight)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = _packed_linear(x.reshape(-1, self.in_features), self.packed_weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if self.kernel == "native":
+            out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias)
+        else:
+            out = _onednn_linear(rows, self.packed_weight, self.bias)
         return out.view(*lead, self.out_features)
 
 
 def packing_works(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where packed linears apply and give the same result as ``F.linear`` (checked once)."""
+    """True where oneDNN's packed linears apply and give the same result as ``F.linear`` (checked once)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     try:
         gen = torch.Generator().manual_seed(0)
         weight = torch.randn(48, 32, generator=gen).to(dtype)
         x = torch.randn(5, 32, generator=gen).to(dtype)
-        return torch.equal(_packed_linear(x, _pack(weight), None), F.linear(x, weight))
+        return torch.equal(_onednn_linear(x, _onednn_pack(weight), None), F.linear(x, weight))
     except (RuntimeError, AttributeError) as e:  # an op missing from this PyTorch build
         logger.info("oneDNN packed linear unavailable (%s); using nn.Linear", e)
         return False
+
+
+def linear_kernel(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """The kernel packed linears use for this dtype and device, or None (``nn.Linear`` stays)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if native.linear_supported():
+        return "native"
+    return "onednn" if packing_works(dtype, device) else None
 
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
@@ -62,12 +93,14 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     Call after the weights are loaded. Returns how many layers were packed (0 where packing
     does not apply). A tied LM head gets its own packed copy; the embedding keeps the original.
     """
-    if not packing_works(dtype, device):
+    kernel = linear_kernel(dtype, device)
+    if kernel is None:
         return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, PackedLinear(child, kernel))
                 count += 1
+    logger.info("packed %d linear layers for the %s bfloat16 kernel", count, kernel)
     return count

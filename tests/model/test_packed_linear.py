@@ -1,4 +1,5 @@
-"""Packed bfloat16 linears give exactly what nn.Linear gives, and only replace where they apply."""
+"""Packed bfloat16 linears give what nn.Linear gives (oneDNN: the same bits; the native kernel: to
+the last bit of rounding), and only replace where they apply."""
 
 from __future__ import annotations
 
@@ -6,24 +7,42 @@ import pytest
 import torch
 from torch import nn
 
-from pagellm.model.packed_linear import PackedLinear, pack_linear_layers, packing_works
+from pagellm.kernels import native
+from pagellm.model.packed_linear import PackedLinear, linear_kernel, pack_linear_layers, packing_works
 
 CPU = torch.device("cpu")
-needs_packing = pytest.mark.skipif(not packing_works(torch.bfloat16, CPU), reason="no oneDNN bfloat16 on this CPU")
+needs_onednn = pytest.mark.skipif(not packing_works(torch.bfloat16, CPU), reason="no oneDNN bfloat16 on this CPU")
+needs_native = pytest.mark.skipif(not native.linear_supported(), reason="no native bfloat16 linear on this CPU")
 
 
-@needs_packing
+def _assert_same_to_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to one bfloat16 rounding step of the larger magnitude (sums added in another order)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = torch.maximum(got.float().abs(), want.float().abs())
+    assert bool(((got.float() - want.float()).abs() <= scale * 2.0**-7 + 1e-3).all())
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(1,), (7,), (3, 5)])
-def test_packed_linear_equals_nn_linear(bias, lead):
+def test_packed_linear_equals_nn_linear(kernel, bias, lead):
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
     x = torch.randn(*lead, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(PackedLinear(linear)(x), linear(x))
+        got, want = PackedLinear(linear, kernel)(x), linear(x)
+    if kernel == "onednn":
+        assert torch.equal(got, want)
+    else:
+        _assert_same_to_rounding(got, want)
 
 
-@needs_packing
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        PackedLinear(nn.Linear(4, 4).to(torch.bfloat16), "fast")
+
+
+@pytest.mark.skipif(linear_kernel(torch.bfloat16, CPU) is None, reason="no packed kernel on this CPU")
 def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Sequential(nn.Linear(48, 16, bias=False))).to(torch.bfloat16)
@@ -32,11 +51,15 @@ def test_pack_linear_layers_replaces_every_linear_and_keeps_outputs():
         before = model(x)
         assert pack_linear_layers(model, torch.bfloat16, CPU) == 2
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
-        assert torch.equal(model(x), before)
+        _assert_same_to_rounding(model(x), before)
+    # The native kernel where the CPU has it (AVX512-BF16 without AMX), else oneDNN's.
+    assert {m.kernel for m in model.modules() if isinstance(m, PackedLinear)} == {linear_kernel(torch.bfloat16, CPU)}
+    assert linear_kernel(torch.bfloat16, CPU) == ("native" if native.linear_supported() else "onednn")
 
 
 def test_float32_and_other_devices_keep_nn_linear():
     model = nn.Sequential(nn.Linear(8, 8))
+    assert linear_kernel(torch.float32, CPU) is None
     assert pack_linear_layers(model, torch.float32, CPU) == 0
     assert pack_linear_layers(model, torch.bfloat16, torch.device("meta")) == 0
     assert isinstance(model[0], nn.Linear)
