@@ -1,6 +1,6 @@
-/* pagellm's native CPU kernels: paged decode attention, the sampler's argmax + logsumexp, bfloat16
- * linear layers (at the end of the file), and the
- * element-wise layers RMSNorm and rotary embedding in one pass each.
+/* pagellm's native CPU kernels: paged decode attention, the sampler's argmax + logsumexp, the
+ * element-wise layers RMSNorm and rotary embedding in one pass each, and bfloat16 linear layers (at
+ * the end of the file).
  *
  * Paged decode attention: one query token per sequence, K and V read in place from the pools; paged
  * prefill attention (flash-style tiles); the writes of new tokens' K/V into the pools. On CPUs with
