@@ -1025,10 +1025,15 @@ void pagellm_pack_linear_weight(const uint16_t *w, int64_t n, int64_t k, uint32_
 static inline __attribute__((always_inline)) void linear_tile(const uint32_t *x_pairs, const int rows,
                                                               int64_t pairs, const uint32_t *panel,
                                                               const float *bias, uint16_t *y, int64_t n,
-                                                              __mmask16 mask0, __mmask16 mask1) {
+                                                              __mmask16 mask0, __mmask16 mask1,
+                                                              const uint32_t *next_panel) {
     __m512 acc[LINEAR_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; j++) {
+        if (next_panel != NULL) {
+            _mm_prefetch((const char *)(next_panel + j * LINEAR_COLS), _MM_HINT_T1);
+            _mm_prefetch((const char *)(next_panel + j * LINEAR_COLS + 16), _MM_HINT_T1);
+        }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * LINEAR_COLS);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * LINEAR_COLS + 16);
         for (int r = 0; r < rows; r++) {
@@ -1053,7 +1058,8 @@ static inline __mmask16 lanes_below(int64_t count) {
 }
 
 #define LINEAR_TILE(ROWS) \
-    case ROWS: linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, y + r0 * n + col0, n, mask0, mask1); break;
+    case ROWS: linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, y + r0 * n + col0, n, mask0, mask1, \
+                           t == t0 && p + 1 < panels ? panel + pairs * LINEAR_COLS : NULL); break;
 #endif
 
 /* x: [m, k] bfloat16 with x_stride elements between rows; w: packed by pagellm_pack_linear_weight;
