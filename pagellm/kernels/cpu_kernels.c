@@ -987,6 +987,7 @@ void pagellm_rotary(void *qk, int64_t tokens, int64_t row_stride, int64_t heads,
 #define LINEAR_COLS 32 /* output columns per weight panel: two vectors of 16 float32 sums */
 #define LINEAR_ROWS 12 /* most rows per register tile: 24 accumulators of the 32 vector registers */
 #define LINEAR_CHUNK_BYTES (1 << 20) /* inputs a panel passes over before the next panel: in L2 */
+#define LINEAR_PREFETCH_BYTES (512 << 10) /* larger panels (K > 8192) are not prefetched: they would evict the inputs */
 
 int pagellm_linear_bf16_supported(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(__AMX_BF16__)
@@ -1059,7 +1060,7 @@ static inline __mmask16 lanes_below(int64_t count) {
 
 #define LINEAR_TILE(ROWS) \
     case ROWS: linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, y + r0 * n + col0, n, mask0, mask1, \
-                           t == t0 && p + 1 < panels ? panel + pairs * LINEAR_COLS : NULL); break;
+                           t == t0 && p + 1 < p_end && prefetch ? panel + pairs * LINEAR_COLS : NULL); break;
 #endif
 
 /* x: [m, k] bfloat16 with x_stride elements between rows; w: packed by pagellm_pack_linear_weight;
@@ -1071,7 +1072,8 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
     const int64_t pairs = (k + 1) / 2, panels = (n + LINEAR_COLS - 1) / LINEAR_COLS;
     /* Rows go in tiles of equal size (41 rows: 11 + 10 + 10 + 10, not 12 + 12 + 12 + 5). */
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, small = m / (tiles ? tiles : 1), big = m % (tiles ? tiles : 1);
-    const int64_t chunk_tiles = LINEAR_CHUNK_BYTES / (LINEAR_ROWS * pairs * 4) + 1;
+    const int64_t chunk_tiles = pairs ? LINEAR_CHUNK_BYTES / (LINEAR_ROWS * pairs * 4) + 1 : tiles + 1;
+    const int prefetch = pairs * LINEAR_COLS * 4 <= LINEAR_PREFETCH_BYTES;
     uint32_t *x_pairs = malloc((size_t)(m * pairs + 1) * sizeof(uint32_t));
     if (x_pairs == NULL) return -2;
 #pragma omp parallel num_threads(num_threads)
@@ -1086,8 +1088,11 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
          * about LINEAR_CHUNK_BYTES at a time (they stay in cache while each panel passes over them). */
         for (int64_t t0 = 0; t0 < tiles; t0 += chunk_tiles) {
             const int64_t t1 = t0 + chunk_tiles < tiles ? t0 + chunk_tiles : tiles;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
+            /* Each thread takes a contiguous run of panels (what `schedule(static)` would give), so
+             * that its last panel does not prefetch the next thread's first. */
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t p_begin = panels * id / nt, p_end = panels * (id + 1) / nt;
+            for (int64_t p = p_begin; p < p_end; p++) {
                 const uint32_t *panel = w + p * pairs * LINEAR_COLS;
                 const int64_t col0 = p * LINEAR_COLS;
                 const __mmask16 mask0 = lanes_below(n - col0), mask1 = lanes_below(n - col0 - 16);

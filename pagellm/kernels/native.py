@@ -355,7 +355,6 @@ def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tenso
     return True
 
 
-
 # ------------------------------------------------------------------ bfloat16 linear layers
 
 
@@ -366,32 +365,52 @@ def linear_supported() -> bool:
     return lib is not None and bool(lib.pagellm_linear_bf16_supported())
 
 
+def _linear_lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None or not lib.pagellm_linear_bf16_supported():
+        raise RuntimeError("the native bfloat16 linear kernel is not available here (no native kernels, no "
+                           "AVX512-BF16, or an AMX CPU): check linear_supported() first")
+    return lib
+
+
+def _packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """(panels of 32 output columns, pairs of input columns, 32): the packed weight's shape."""
+    return (-(-out_features // 32), -(-in_features // 2), 32)
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A (out_features, in_features) bfloat16 weight in ``linear_bf16``'s layout (int32 words).
-    Check ``linear_supported`` first."""
+    """A (out_features, in_features) bfloat16 weight in ``linear_bf16``'s layout: int32 words of
+    shape ``(ceil(out / 32), ceil(in / 2), 32)``, word [p, j, c] = the pair (w[32p + c, 2j],
+    w[32p + c, 2j + 1]) (zero past the weight's edges)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"need a 2-D bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    lib = _linear_lib()
     weight = weight.contiguous()
     n, k = weight.shape
-    lib = load()
-    packed = torch.empty(lib.pagellm_linear_packed_words(n, k), dtype=torch.int32)
+    packed = torch.empty(_packed_shape(n, k), dtype=torch.int32)
+    assert packed.numel() == lib.pagellm_linear_packed_words(n, k)
     lib.pagellm_pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (rows, in_features) bfloat16 (any stride between rows) times the weight packed by
-    ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given: (rows, out_features)
-    bfloat16, sums in float32 and rounded once."""
+    """x (rows, in_features) bfloat16 on the CPU (any stride between rows, unit stride within) times
+    the weight packed by ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given:
+    (rows, out_features) bfloat16, sums in float32 and rounded once. Each row's result is the same
+    whatever the other rows are."""
+    lib = _linear_lib()
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be a 2-D bfloat16 CPU tensor with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}")
     rows, in_features = x.shape
-    lib = load()
-    if (x.dtype != torch.bfloat16 or x.stride(1) != 1
-            or packed.numel() != lib.pagellm_linear_packed_words(out_features, in_features)):
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a packed weight of {packed.numel()} words "
-                         f"for {out_features} outputs")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous float32 tensor of {out_features}")
+    if (packed.dtype != torch.int32 or packed.device.type != "cpu" or not packed.is_contiguous()
+            or tuple(packed.shape) != _packed_shape(out_features, in_features)):
+        raise ValueError(f"the packed weight {packed.dtype} {tuple(packed.shape)} is not one of {out_features} x "
+                         f"{in_features} from pack_linear_weight (shape {_packed_shape(out_features, in_features)})")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
+                             or bias.device.type != "cpu"):
+        raise ValueError(f"bias must be a contiguous float32 CPU tensor of {out_features}")
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if rows and out_features:
         status = lib.pagellm_linear_bf16(x.data_ptr(), x.stride(0), rows, in_features, packed.data_ptr(), out_features,
@@ -399,6 +418,5 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                                          torch.get_num_threads())
         if status == -2:
             raise MemoryError(f"native linear: no memory for {rows} x {in_features} inputs")
-        if status != 0:
-            raise RuntimeError("native bfloat16 linear is not compiled in here (check linear_supported())")
+        assert status == 0, status  # _linear_lib checked that the kernel is compiled in
     return out

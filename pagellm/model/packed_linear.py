@@ -48,7 +48,8 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         if kernel == "native":
             packed = native.pack_linear_weight(weight)
-            bias = None if bias is None else bias.float()  # added to the float32 sums before rounding
+            # Added to the float32 sums before rounding. (Kept float32: do not cast the module.)
+            bias = None if bias is None else bias.float()
         else:
             packed = _onednn_pack(weight)
         self.register_buffer("packed_weight", packed, persistent=False)
@@ -58,6 +59,8 @@ class PackedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
             out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias)
         else:
             out = _onednn_linear(rows, self.packed_weight, self.bias)
@@ -102,5 +105,6 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child, kernel))
                 count += 1
-    logger.info("packed %d linear layers for the %s bfloat16 kernel", count, kernel)
+    if count:
+        logger.info("packed %d linear layers for the %s bfloat16 kernel", count, kernel)
     return count

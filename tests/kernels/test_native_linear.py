@@ -18,15 +18,17 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 def _check(x: torch.Tensor, weight: torch.Tensor, bias, got: torch.Tensor) -> None:
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-    # Rounded once from float32 sums: within an ulp of the exact result (plus float32's own error).
+    # Rounded to nearest once from float32 sums: within half an ulp of the exact result, plus what
+    # float32 additions lose (generous: 1e-6 of the sum of magnitudes).
     err = (got.double() - exact).abs()
-    bound = _bf16_ulp(exact) + 1e-6 * (x.double().abs() @ weight.double().abs().T)
+    bound = 0.5 * _bf16_ulp(torch.maximum(exact.abs(), got.double().abs())) + 1e-6 * (
+        x.double().abs() @ weight.double().abs().T)
     assert bool((err <= bound).all()), f"max error {err.max().item()} (bound there {bound.flatten()[err.argmax()]})"
 
 
 @needs_linear
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 41, 100])  # one tile, tiles of unequal rows, many tiles
-@pytest.mark.parametrize("out_features", [1, 16, 33, 96])  # partial panels and partial vectors
+@pytest.mark.parametrize("out_features", [1, 16, 33, 50, 96])  # partial panels: first half, second half
 @pytest.mark.parametrize("in_features", [1, 2, 63, 64])  # odd: the last pair is half zero
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_exact_products(rows, out_features, in_features, bias):
@@ -35,6 +37,27 @@ def test_linear_matches_exact_products(rows, out_features, in_features, bias):
     x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
     b = torch.randn(out_features, generator=g) if bias else None
     _check(x, weight, b, native.linear_bf16(x, native.pack_linear_weight(weight), out_features, b))
+
+
+@needs_linear
+def test_no_inputs_gives_the_bias():
+    weight = torch.empty(40, 0, dtype=torch.bfloat16)
+    bias = torch.randn(40)
+    got = native.linear_bf16(torch.empty(3, 0, dtype=torch.bfloat16), native.pack_linear_weight(weight), 40, bias)
+    assert torch.equal(got, bias.to(torch.bfloat16).expand(3, 40))
+
+
+@needs_linear
+def test_packed_layout():
+    """Word [p, j, c] holds (w[32p + c, 2j], w[32p + c, 2j + 1]) as low and high halves, zero outside."""
+    weight = torch.randn(37, 5).to(torch.bfloat16)
+    packed = native.pack_linear_weight(weight)
+    assert packed.shape == (2, 3, 32) and packed.dtype == torch.int32
+    bits = weight.view(torch.int16).to(torch.int64) & 0xFFFF
+    padded = torch.zeros(64, 6, dtype=torch.int64)
+    padded[:37, :5] = bits
+    want = (padded[:, 0::2] | padded[:, 1::2] << 16).view(2, 32, 3).transpose(1, 2)
+    assert torch.equal(packed.to(torch.int64) & 0xFFFFFFFF, want)
 
 
 @needs_linear
@@ -49,19 +72,20 @@ def test_large_inputs_in_several_chunks_and_strided_rows():
 
 @needs_linear
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_row_gets_the_same_bits_whatever_the_batch(threads):
+@pytest.mark.parametrize("rows,in_features", [(41, 512), (300, 4863)])  # 4,863: odd, rows in three chunks
+def test_a_row_gets_the_same_bits_whatever_the_batch(threads, rows, in_features):
     """Decode batches change every step: a request's logits must not depend on who else is in it."""
     g = torch.Generator().manual_seed(2)
-    weight = torch.randn(200, 512, generator=g).to(torch.bfloat16)
+    weight = torch.randn(200, in_features, generator=g).to(torch.bfloat16)
     packed = native.pack_linear_weight(weight)
-    x = torch.randn(41, 512, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         batch = native.linear_bf16(x, packed, 200)
-        for i in (0, 10, 11, 40):
+        for i in (0, 10, 11, rows - 1):
             assert torch.equal(native.linear_bf16(x[i:i + 1], packed, 200), batch[i:i + 1])
-        assert torch.equal(native.linear_bf16(x[5:30], packed, 200), batch[5:30])
+        assert torch.equal(native.linear_bf16(x[5:rows - 3], packed, 200), batch[5:rows - 3])
     finally:
         torch.set_num_threads(before)
 
@@ -71,11 +95,27 @@ def test_empty_batch_and_bad_arguments():
     weight = torch.randn(8, 6).to(torch.bfloat16)
     packed = native.pack_linear_weight(weight)
     assert native.linear_bf16(torch.empty(0, 6, dtype=torch.bfloat16), packed, 8).shape == (0, 8)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="2-D bfloat16 CPU tensor"):
         native.linear_bf16(torch.randn(2, 6), packed, 8)  # float32 input
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="contiguous rows"):
+        native.linear_bf16(torch.randn(6, 2).to(torch.bfloat16).T, packed, 8)  # a transposed view
+    with pytest.raises(ValueError, match="not one of 8 x 10"):
         native.linear_bf16(torch.randn(2, 10).to(torch.bfloat16), packed, 8)  # another weight's width
     with pytest.raises(ValueError, match="bias"):
         native.linear_bf16(torch.randn(2, 6).to(torch.bfloat16), packed, 8, torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        native.linear_bf16(torch.randn(2, 6).to(torch.bfloat16), packed, 8, torch.zeros(7))
     with pytest.raises(ValueError, match="bfloat16 CPU weight"):
         native.pack_linear_weight(torch.randn(8, 6))
+
+
+def test_without_native_kernels_the_kernel_says_so(monkeypatch):
+    monkeypatch.setenv("PAGELLM_NATIVE_KERNELS", "0")
+    native.load.cache_clear()
+    try:
+        assert not native.linear_supported()
+        with pytest.raises(RuntimeError, match="check linear_supported"):
+            native.pack_linear_weight(torch.randn(8, 6).to(torch.bfloat16))
+    finally:
+        monkeypatch.undo()
+        native.load.cache_clear()
