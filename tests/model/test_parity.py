@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.kernels import native
 from tests.conftest import CHECKPOINTS
 
 PARITY_CHECKPOINTS = [name for name in CHECKPOINTS if name != "llama-long"]
@@ -88,4 +89,22 @@ def test_bfloat16_logprobs_close_to_transformers(checkpoints, name):
         # bfloat16 rounding alone moves these logprobs by up to ~0.15 (transformers in bfloat16 vs
         # float32 on the same checkpoints); we stay within that of transformers in bfloat16.
         assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.03
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.skipif(not native.linear_supported(), reason="batch invariance is promised by the native linear kernel")
+@pytest.mark.parametrize("name", ["qwen2", "llama-hd64"])
+def test_bfloat16_outputs_do_not_depend_on_the_batch(checkpoints, name):
+    """In bfloat16 a request gets the same tokens and the same logprobs, to the bit, alone or next to
+    others (every kernel adds a row's terms in an order fixed by that row alone)."""
+    path = checkpoints[name]
+    prompts = random_prompts([5, 40, 90, 17, 130], vocab=500, seed=12)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=256, num_kv_blocks=96, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, together in zip(prompts, batch):
+        (alone,) = llm.generate([prompt], params, use_tqdm=False)
+        assert alone.outputs[0].token_ids == together.outputs[0].token_ids
+        assert alone.outputs[0].logprobs == together.outputs[0].logprobs
+        assert alone.prompt_logprobs == together.prompt_logprobs
     assert_all_blocks_free(llm)
