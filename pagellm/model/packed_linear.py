@@ -5,7 +5,7 @@ every call; at decode batch sizes that reorder costs as much as the multiply its
 therefore packed once after loading, for one of two kernels:
 
 - ``"native"``: pagellm's own (``pagellm/kernels``, the AVX512-BF16 dot products), on CPUs that have
-  them and no AMX. At decode's few to few dozen rows it runs 1.1-2x oneDNN's rate (the same at
+  them and no AMX. At decode's few to few dozen rows it runs 1.0-2.2x oneDNN's rate (the same at
   prefill's thousands); sums in float32 as oneDNN, in another order, so the last bit may differ.
 - ``"onednn"``: oneDNN's packed layout (the ops PyTorch's own compiler uses when it freezes a CPU
   model), 1.2-3x ``F.linear`` with bit-identical results; everywhere else oneDNN has bfloat16.
