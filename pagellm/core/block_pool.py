@@ -123,6 +123,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(())
         # prefix hash -> block holding that full block's K/V (in use or free-but-cached).
         self.cached_blocks: dict[int, KVBlock] = {}
+        # How many of those are free: kept up to date, as the metrics read it every step.
+        self._num_cached_free = 0
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -169,6 +171,7 @@ class BlockPool:
         """Take one more reference on ``block`` (a cache hit or a fork)."""
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
+            self._num_cached_free -= block.block_hash is not None
         block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -183,6 +186,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                self._num_cached_free += block.block_hash is not None
 
     def cache_block(self, block: KVBlock, block_hash: int, key: BlockKey) -> None:
         """Record that a full ``block`` holds the K/V for ``key`` (whose hash is ``block_hash``)."""
@@ -193,6 +197,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.block_key = key
         self.cached_blocks[block_hash] = block
+        self._num_cached_free += block.ref_cnt == 0
 
     def lookup(self, block_hash: int, key: BlockKey) -> Optional[KVBlock]:
         """The cached block for ``key``; None on a miss or on a hash collision."""
@@ -202,7 +207,9 @@ class BlockPool:
         return block
 
     def _evict(self, block: KVBlock) -> None:
+        """Forget what a free block (just taken off the queue) held."""
         if block.block_hash is not None:
+            self._num_cached_free -= 1
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
@@ -211,7 +218,7 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix."""
-        return sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0)
+        return self._num_cached_free
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -221,6 +228,7 @@ class BlockPool:
             block.block_hash = None
             block.block_key = None
         self.cached_blocks.clear()
+        self._num_cached_free = 0
         return True
 
     @property
@@ -237,6 +245,8 @@ class BlockPool:
             on_queue = self.free_queue.contains(block)
             assert (block.ref_cnt == 0) == on_queue, f"{block}: ref count and free queue disagree"
             assert block.ref_cnt >= 0
+        assert self._num_cached_free == sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0), \
+            "the count of free cached blocks drifted"
         for h, block in self.cached_blocks.items():
             assert block.block_hash == h, f"{block} is cached under a hash it does not carry"
             assert block.block_key is not None and hash_block_key(block.block_key) == h

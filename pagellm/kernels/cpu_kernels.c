@@ -1022,12 +1022,13 @@ void pagellm_pack_linear_weight(const uint16_t *w, int64_t n, int64_t k, uint32_
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* Rows [r0, r0 + rows) of y for one panel. x_pairs: those rows' pairs, pair-major ([pairs][rows]),
- * so that each broadcast reads the next word. mask0/mask1: the panel's columns that exist. */
+ * so that each broadcast reads the next word. mask0/mask1: the panel's columns that exist. y: bfloat16,
+ * or float32 (the bfloat16 value widened) with out_f32. */
 static inline __attribute__((always_inline)) void linear_tile(const uint32_t *x_pairs, const int rows,
                                                               int64_t pairs, const uint32_t *panel,
-                                                              const float *bias, uint16_t *y, int64_t n,
+                                                              const float *bias, void *y, int64_t n,
                                                               __mmask16 mask0, __mmask16 mask1,
-                                                              const uint32_t *next_panel) {
+                                                              const uint32_t *next_panel, int out_f32) {
     __m512 acc[LINEAR_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; j++) {
@@ -1049,8 +1050,14 @@ static inline __attribute__((always_inline)) void linear_tile(const uint32_t *x_
             v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(mask0, bias));
             v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(mask1, bias + 16));
         }
-        _mm256_mask_storeu_epi16(y + r * n, mask0, (__m256i)_mm512_cvtneps_pbh(v0)); /* nearest even */
-        _mm256_mask_storeu_epi16(y + r * n + 16, mask1, (__m256i)_mm512_cvtneps_pbh(v1));
+        const __m256bh y0 = _mm512_cvtneps_pbh(v0), y1 = _mm512_cvtneps_pbh(v1); /* nearest even */
+        if (out_f32) {
+            _mm512_mask_storeu_ps((float *)y + r * n, mask0, _mm512_cvtpbh_ps(y0));
+            _mm512_mask_storeu_ps((float *)y + r * n + 16, mask1, _mm512_cvtpbh_ps(y1));
+        } else {
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * n, mask0, (__m256i)y0);
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * n + 16, mask1, (__m256i)y1);
+        }
     }
 }
 
@@ -1058,16 +1065,21 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
+/* out_f32 as a constant in each copy: a flag read in the tile would cost the inner loop ~4%. */
+#define LINEAR_TILE_OUT(ROWS, F32) \
+    linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, \
+                F32 ? (void *)((float *)y + r0 * n + col0) : (void *)((uint16_t *)y + r0 * n + col0), n, mask0, \
+                mask1, t == t0 && p + 1 < p_end && prefetch ? panel + pairs * LINEAR_COLS : NULL, F32)
 #define LINEAR_TILE(ROWS) \
-    case ROWS: linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, y + r0 * n + col0, n, mask0, mask1, \
-                           t == t0 && p + 1 < p_end && prefetch ? panel + pairs * LINEAR_COLS : NULL); break;
+    case ROWS: if (out_f32) LINEAR_TILE_OUT(ROWS, 1); else LINEAR_TILE_OUT(ROWS, 0); break;
 #endif
 
 /* x: [m, k] bfloat16 with x_stride elements between rows; w: packed by pagellm_pack_linear_weight;
- * bias: n float32 or NULL; y: [m, n] bfloat16, contiguous. Returns -1 where the kernel is not
- * compiled in (check pagellm_linear_bf16_supported first), 0 otherwise. */
+ * bias: n float32 or NULL; y: [m, n] contiguous, bfloat16, or with out_f32 float32 holding the same
+ * bfloat16 values (what a float() after the layer gives, without that pass). Returns -1 where the
+ * kernel is not compiled in (check pagellm_linear_bf16_supported first), -2 without memory, else 0. */
 int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint32_t *w, int64_t n,
-                        const float *bias, uint16_t *y, int num_threads) {
+                        const float *bias, void *y, int out_f32, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int64_t pairs = (k + 1) / 2, panels = (n + LINEAR_COLS - 1) / LINEAR_COLS;
     /* Rows go in tiles of equal size (41 rows: 11 + 10 + 10 + 10, not 12 + 12 + 12 + 5). */
@@ -1110,7 +1122,8 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
     free(x_pairs);
     return 0;
 #else
-    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)num_threads;
+    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)out_f32;
+    (void)num_threads;
     return -1;
 #endif
 }

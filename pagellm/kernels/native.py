@@ -145,7 +145,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_pack_linear_weight.restype = None
     lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.pagellm_linear_bf16.restype = ctypes.c_int
-    lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
 
 
 def prefill_supported(k_cache: torch.Tensor) -> bool:
@@ -362,12 +362,17 @@ def linear_supported() -> bool:
     """Whether ``linear_bf16`` runs here: native kernels with AVX512-BF16 and no AMX (where oneDNN's
     tile instructions are faster)."""
     lib = load()
-    return lib is not None and bool(lib.pagellm_linear_bf16_supported())
+    return lib is not None and _has_linear(lib)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_linear(lib: ctypes.CDLL) -> bool:  # asked once per library (every layer call checks)
+    return bool(lib.pagellm_linear_bf16_supported())
 
 
 def _linear_lib() -> ctypes.CDLL:
     lib = load()
-    if lib is None or not lib.pagellm_linear_bf16_supported():
+    if lib is None or not _has_linear(lib):
         raise RuntimeError("the native bfloat16 linear kernel is not available here (no native kernels, no "
                            "AVX512-BF16, or an AMX CPU): check linear_supported() first")
     return lib
@@ -394,12 +399,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x (rows, in_features) bfloat16 on the CPU (any stride between rows, unit stride within) times
     the weight packed by ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given:
     (rows, out_features) bfloat16, sums in float32 and rounded once. Each row's result is the same
-    whatever the other rows are."""
+    whatever the other rows are. With ``out_dtype=torch.float32`` the same bfloat16 values come back
+    as float32 (the LM head's logits: no separate ``float()`` pass)."""
     lib = _linear_lib()
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-D bfloat16 CPU tensor with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}")
@@ -411,11 +419,11 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
                              or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor of {out_features}")
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    out = torch.empty(rows, out_features, dtype=out_dtype)
     if rows and out_features:
         status = lib.pagellm_linear_bf16(x.data_ptr(), x.stride(0), rows, in_features, packed.data_ptr(), out_features,
                                          None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                         torch.get_num_threads())
+                                         out_dtype == torch.float32, torch.get_num_threads())
         if status == -2:
             raise MemoryError(f"native linear: no memory for {rows} x {in_features} inputs")
         assert status == 0, status  # _linear_lib checked that the kernel is compiled in

@@ -14,6 +14,7 @@ from torch import nn
 
 from pagellm.model.attention import AttentionMetadata, paged_attention
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagellm.model.packed_linear import PackedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): layouts in model/attention.py
 
@@ -127,7 +128,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(num_selected, hidden) -> (num_selected, vocab) float32 logits."""
+        """(num_selected, hidden) -> (num_selected, vocab) float32 logits (rounded to the model's dtype
+        first, as transformers computes them)."""
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(hidden, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights

@@ -55,15 +55,20 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """x @ weight.T + bias, in ``x``'s dtype; with ``out_dtype`` (float32 for logits) that result
+        converted, which the native kernel does as it stores."""
+        if x.dim() == 2 and self.kernel == "native" and x.stride(-1) == 1:  # the model's every call
+            return native.linear_bf16(x, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype)
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
-            if rows.stride(-1) != 1:
-                rows = rows.contiguous()
-            out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias)
+            out = native.linear_bf16(rows.contiguous(), self.packed_weight, self.out_features, self.bias,
+                                     out_dtype or x.dtype)
         else:
             out = _onednn_linear(rows, self.packed_weight, self.bias)
+            if out_dtype is not None:
+                out = out.to(out_dtype)
         return out.view(*lead, self.out_features)
 
 

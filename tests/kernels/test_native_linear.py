@@ -40,6 +40,22 @@ def test_linear_matches_exact_products(rows, out_features, in_features, bias):
 
 
 @needs_linear
+@pytest.mark.parametrize("rows,out_features", [(1, 33), (41, 1000), (13, 50)])
+def test_float32_output_is_the_bfloat16_result_widened(rows, out_features):
+    """The LM head's logits: the same values as the bfloat16 output followed by float()."""
+    g = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=g)
+    packed = native.pack_linear_weight(weight)
+    got = native.linear_bf16(x, packed, out_features, bias, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, native.linear_bf16(x, packed, out_features, bias).float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        native.linear_bf16(x, packed, out_features, out_dtype=torch.float16)
+
+
+@needs_linear
 def test_no_inputs_gives_the_bias():
     weight = torch.empty(40, 0, dtype=torch.bfloat16)
     bias = torch.randn(40)

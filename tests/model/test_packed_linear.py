@@ -37,6 +37,18 @@ def test_packed_linear_equals_nn_linear(kernel, bias, lead):
         _assert_same_to_rounding(got, want)
 
 
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_float32_output_is_the_layer_output_widened(kernel, lead):
+    torch.manual_seed(0)
+    layer = PackedLinear(nn.Linear(64, 80, bias=True).to(torch.bfloat16), kernel)
+    x = torch.randn(*lead, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = layer(x, out_dtype=torch.float32)
+        assert logits.dtype == torch.float32 and logits.shape == (*lead, 80)
+        assert torch.equal(logits, layer(x).float())
+
+
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="unknown linear kernel"):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16), "fast")
