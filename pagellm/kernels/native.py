@@ -42,6 +42,19 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
     text = platform.machine()
@@ -367,7 +380,9 @@ def linear_supported() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _has_linear(lib: ctypes.CDLL) -> bool:  # asked once per library (every layer call checks)
-    return bool(lib.pagellm_linear_bf16_supported())
+    # The kernel leaves itself out where the compiler targets AMX; the CPU is asked too, since a
+    # compiler too old to know AMX would not say so, and oneDNN's AMX path is far faster there.
+    return bool(lib.pagellm_linear_bf16_supported()) and "amx_bf16" not in cpu_flags()
 
 
 def _linear_lib() -> ctypes.CDLL:

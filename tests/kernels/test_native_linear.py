@@ -106,6 +106,19 @@ def test_a_row_gets_the_same_bits_whatever_the_batch(threads, rows, in_features)
         torch.set_num_threads(before)
 
 
+def test_not_used_on_amx_cpus(monkeypatch):
+    """oneDNN's tile instructions win there, whatever the compiler knew of AMX."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    native._has_linear.cache_clear()
+    try:
+        assert not native.linear_supported()
+        from pagellm.model.packed_linear import linear_kernel
+
+        assert linear_kernel(torch.bfloat16, torch.device("cpu")) != "native"
+    finally:
+        native._has_linear.cache_clear()
+
+
 @needs_linear
 def test_empty_batch_and_bad_arguments():
     weight = torch.randn(8, 6).to(torch.bfloat16)
