@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagellm.core.block_pool import BlockPool, hash_block_key
 
@@ -90,3 +92,36 @@ def test_blocks_are_created_lazily_in_the_order_an_eager_pool_would_use():
     pool.free([a[1]])
     assert pool.free_order()[:3] == [3, 4, 5] and pool.free_order()[-1] == 1
     assert [b.block_id for b in pool.allocate(2)] == [3, 4]  # never-used blocks before freed ones
+
+
+def _count_cached_free(pool: BlockPool) -> int:
+    return sum(1 for b in pool.cached_blocks.values() if b.ref_cnt == 0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "free", "touch", "cache", "reset"]),
+                              st.integers(0, 7)), max_size=60))
+def test_free_cached_count_follows_every_operation(ops):
+    """The pool keeps the number of free blocks still holding a prefix (the metrics read it every
+    step); it must equal a recount after any mix of allocations, frees, cache hits, caching and
+    resets, and eviction (allocating a free cached block) must lower it."""
+    pool = BlockPool(6)
+    held: list = []  # one entry per reference taken
+    for op, arg in ops:
+        if op == "allocate" and pool.num_free_blocks:
+            held += pool.allocate(1 + arg % pool.num_free_blocks)
+        elif op == "free" and held:
+            pool.free([held.pop(arg % len(held))])
+        elif op == "touch":
+            cached = list(pool.cached_blocks.values())
+            if cached:
+                block = cached[arg % len(cached)]
+                pool.touch(block)
+                held.append(block)
+        elif op == "cache" and held:
+            key = (None, (arg,), None)
+            pool.cache_block(held[arg % len(held)], hash_block_key(key), key)
+        elif op == "reset":
+            pool.reset_prefix_cache()
+        assert pool.num_cached_free_blocks == _count_cached_free(pool)
+        pool.assert_consistent()
