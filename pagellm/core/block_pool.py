@@ -245,6 +245,8 @@ class BlockPool:
             on_queue = self.free_queue.contains(block)
             assert (block.ref_cnt == 0) == on_queue, f"{block}: ref count and free queue disagree"
             assert block.ref_cnt >= 0
+        assert all(self.cached_blocks.get(b.block_hash) is b for b in self._blocks if b.block_hash is not None), \
+            "a block carries a hash it is not cached under"
         assert self._num_cached_free == sum(1 for b in self.cached_blocks.values() if b.ref_cnt == 0), \
             "the count of free cached blocks drifted"
         for h, block in self.cached_blocks.items():

@@ -973,7 +973,8 @@ void pagellm_rotary(void *qk, int64_t tokens, int64_t row_stride, int64_t heads,
 }
 
 /* ---------------------------------------------------------------- bfloat16 linear layers
- * y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bfloat16 in and out, float32 sums, on the AVX512-BF16 dot
+ * y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bfloat16 in, bfloat16 out (or those values as float32),
+ * float32 sums, on the AVX512-BF16 dot
  * products. oneDNN reaches the same rate at prefill's large M, but at decode's M (a few to a few
  * dozen rows) it leaves 15-50% of the multiply rate unused; this kernel keeps a register tile of up
  * to LINEAR_ROWS rows x 32 columns busy whatever M is. Not used where the CPU has AMX (oneDNN's tile
@@ -1065,7 +1066,8 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
-/* out_f32 as a constant in each copy: a flag read in the tile would cost the inner loop ~4%. */
+/* out_f32 is a constant in each copy, so that each compiles as the tile did without the option (with
+ * the flag as a variable, alternating A/B runs measured up to 4% slower on a noisy machine). */
 #define LINEAR_TILE_OUT(ROWS, F32) \
     linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, \
                 F32 ? (void *)((float *)y + r0 * n + col0) : (void *)((uint16_t *)y + r0 * n + col0), n, mask0, \

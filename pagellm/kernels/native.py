@@ -421,16 +421,17 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     whatever the other rows are. With ``out_dtype=torch.float32`` the same bfloat16 values come back
     as float32 (the LM head's logits: no separate ``float()`` pass)."""
     lib = _linear_lib()
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-D bfloat16 CPU tensor with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     rows, in_features = x.shape
     if (packed.dtype != torch.int32 or packed.device.type != "cpu" or not packed.is_contiguous()
             or tuple(packed.shape) != _packed_shape(out_features, in_features)):
         raise ValueError(f"the packed weight {packed.dtype} {tuple(packed.shape)} is not one of {out_features} x "
-                         f"{in_features} from pack_linear_weight (shape {_packed_shape(out_features, in_features)})")
+                         f"{in_features} from pack_linear_weight (shape {_packed_shape(out_features, in_features)}): "
+                         f"a weight of another shape, or x with the wrong number of columns ({in_features})")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
                              or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor of {out_features}")

@@ -60,11 +60,14 @@ class PackedLinear(nn.Module):
         converted, which the native kernel does as it stores."""
         if x.dim() == 2 and self.kernel == "native" and x.stride(-1) == 1:  # the model's every call
             return native.linear_bf16(x, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
-            out = native.linear_bf16(rows.contiguous(), self.packed_weight, self.out_features, self.bias,
-                                     out_dtype or x.dtype)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype)
         else:
             out = _onednn_linear(rows, self.packed_weight, self.bias)
             if out_dtype is not None:

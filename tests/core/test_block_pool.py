@@ -118,9 +118,10 @@ def test_free_cached_count_follows_every_operation(ops):
                 block = cached[arg % len(cached)]
                 pool.touch(block)
                 held.append(block)
-        elif op == "cache" and held:
+        elif op == "cache" and pool.created_blocks:  # a held block, or a free one (its count changes at once)
             key = (None, (arg,), None)
-            pool.cache_block(held[arg % len(held)], hash_block_key(key), key)
+            blocks = pool.created_blocks
+            pool.cache_block(blocks[arg % len(blocks)], hash_block_key(key), key)
         elif op == "reset":
             pool.reset_prefix_cache()
         assert pool.num_cached_free_blocks == _count_cached_free(pool)

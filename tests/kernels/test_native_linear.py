@@ -126,9 +126,11 @@ def test_empty_batch_and_bad_arguments():
     assert native.linear_bf16(torch.empty(0, 6, dtype=torch.bfloat16), packed, 8).shape == (0, 8)
     with pytest.raises(ValueError, match="2-D bfloat16 CPU tensor"):
         native.linear_bf16(torch.randn(2, 6), packed, 8)  # float32 input
+    with pytest.raises(ValueError, match="2-D bfloat16 CPU tensor"):  # the input is named, not out_dtype
+        native.linear_bf16(torch.randn(2, 6).half(), packed, 8, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="contiguous rows"):
         native.linear_bf16(torch.randn(6, 2).to(torch.bfloat16).T, packed, 8)  # a transposed view
-    with pytest.raises(ValueError, match="not one of 8 x 10"):
+    with pytest.raises(ValueError, match="not one of 8 x 10.*wrong number of columns"):
         native.linear_bf16(torch.randn(2, 10).to(torch.bfloat16), packed, 8)  # another weight's width
     with pytest.raises(ValueError, match="bias"):
         native.linear_bf16(torch.randn(2, 6).to(torch.bfloat16), packed, 8, torch.zeros(8, dtype=torch.bfloat16))

@@ -49,6 +49,13 @@ def test_float32_output_is_the_layer_output_widened(kernel, lead):
         assert torch.equal(logits, layer(x).float())
 
 
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
+def test_inputs_of_the_wrong_width_are_refused(kernel):
+    layer = PackedLinear(nn.Linear(64, 80).to(torch.bfloat16), kernel)
+    with pytest.raises(ValueError, match="input of 63 features to a linear layer of 64"):
+        layer(torch.randn(2, 3, 63).to(torch.bfloat16))
+
+
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="unknown linear kernel"):
         PackedLinear(nn.Linear(4, 4).to(torch.bfloat16), "fast")
