@@ -210,8 +210,7 @@ class BlockPool:
         """Forget what a free block (just taken off the queue) held."""
         if block.block_hash is not None:
             self._num_cached_free -= 1
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
+            del self.cached_blocks[block.block_hash]  # a hashed block is the one cached under it
             block.block_hash = None
             block.block_key = None
 

@@ -974,8 +974,7 @@ void pagellm_rotary(void *qk, int64_t tokens, int64_t row_stride, int64_t heads,
 
 /* ---------------------------------------------------------------- bfloat16 linear layers
  * y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bfloat16 in, bfloat16 out (or those values as float32),
- * float32 sums, on the AVX512-BF16 dot
- * products. oneDNN reaches the same rate at prefill's large M, but at decode's M (a few to a few
+ * float32 sums, on the AVX512-BF16 dot products. oneDNN reaches the same rate at prefill's large M, but at decode's M (a few to a few
  * dozen rows) it leaves 15-50% of the multiply rate unused; this kernel keeps a register tile of up
  * to LINEAR_ROWS rows x 32 columns busy whatever M is. Not used where the CPU has AMX (oneDNN's tile
  * instructions are far faster there) nor where the dot products are missing.
