@@ -248,6 +248,17 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* Each lane rounded to the nearest even bfloat16, as store_floats rounds (a NaN stays a NaN). The CPU's
+ * conversion (vcvtneps2bf16) flushes subnormals to zero, where PyTorch rounds them. */
+static inline __m512 round_bf16x16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000)); /* keeps a NaN a NaN once cut */
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* 16 pairs (K[d][t], K[d + 1][t]) from the 32 words of rows d and d + 1. */
 static inline __m512i pair_key_rows(__m512i rows) {
     const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -998,8 +1009,17 @@ int pagellm_linear_bf16_supported(void) {
 }
 
 /* 32-bit words of a packed weight of N x K. */
-int64_t pagellm_linear_packed_words(int64_t n, int64_t k) {
-    return (n + LINEAR_COLS - 1) / LINEAR_COLS * LINEAR_COLS * ((k + 1) / 2);
+/* Output modes of pagellm_linear_bf16. */
+enum { LINEAR_BF16 = 0, LINEAR_F32 = 1, LINEAR_SILU_GATED = 2 };
+
+/* Panels of a weight of n rows: 32 of its columns each or, gated, 16 gate and 16 up columns. */
+static inline int64_t linear_panels(int64_t n, int gated) {
+    return gated ? (n / 2 + LINEAR_COLS / 2 - 1) / (LINEAR_COLS / 2) : (n + LINEAR_COLS - 1) / LINEAR_COLS;
+}
+
+/* 32-bit words of a weight of N x K packed by pagellm_pack_linear_weight. */
+int64_t pagellm_linear_packed_words(int64_t n, int64_t k, int gated) {
+    return linear_panels(n, gated) * LINEAR_COLS * ((k + 1) / 2);
 }
 
 /* One pair (x[2j], x[2j + 1]) of a row as a 32-bit word; an odd K's last pair gets a zero. */
@@ -1008,27 +1028,40 @@ static inline uint32_t bf16_pair(const uint16_t *row, int64_t j, int64_t k) {
     return (uint32_t)row[2 * j] | hi << 16;
 }
 
-/* w: [n, k] bfloat16, row-major; out: pagellm_linear_packed_words(n, k) words, columns past n zero. */
-void pagellm_pack_linear_weight(const uint16_t *w, int64_t n, int64_t k, uint32_t *out, int num_threads) {
-    const int64_t pairs = (k + 1) / 2, panels = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+/* The weight row (output column) behind column c of panel p, or -1 past the weight's edge. Gated
+ * (w = [gate; up], n / 2 rows each): panel p holds gate rows 16p.. then the up rows at the same
+ * offsets, so that one register tile holds both halves of 16 outputs. */
+static inline int64_t panel_column(int64_t p, int64_t c, int64_t n, int gated) {
+    if (!gated) return p * LINEAR_COLS + c < n ? p * LINEAR_COLS + c : -1;
+    const int64_t half = LINEAR_COLS / 2, col = p * half + c % half;
+    return col < n / 2 ? col + (c < half ? 0 : n / 2) : -1;
+}
+
+/* w: [n, k] bfloat16, row-major; out: pagellm_linear_packed_words(n, k, gated) words, columns past
+ * the edges zero. gated: w is [gate; up] (n even), for the LINEAR_SILU_GATED mode. */
+void pagellm_pack_linear_weight(const uint16_t *w, int64_t n, int64_t k, int gated, uint32_t *out, int num_threads) {
+    const int64_t pairs = (k + 1) / 2, panels = linear_panels(n, gated);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < pairs; j++)
             for (int64_t c = 0; c < LINEAR_COLS; c++) {
-                const int64_t col = p * LINEAR_COLS + c;
-                out[(p * pairs + j) * LINEAR_COLS + c] = col < n ? bf16_pair(w + col * k, j, k) : 0;
+                const int64_t col = panel_column(p, c, n, gated);
+                out[(p * pairs + j) * LINEAR_COLS + c] = col >= 0 ? bf16_pair(w + col * k, j, k) : 0;
             }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* Rows [r0, r0 + rows) of y for one panel. x_pairs: those rows' pairs, pair-major ([pairs][rows]),
- * so that each broadcast reads the next word. mask0/mask1: the panel's columns that exist. y: bfloat16,
- * or float32 (the bfloat16 value widened) with out_f32. */
+/* Rows [r0, r0 + rows) of y (row stride n) for one panel. x_pairs: those rows' pairs, pair-major
+ * ([pairs][rows]), so that each broadcast reads the next word. bias0/bias1: the bias of the panel's
+ * two halves (or NULL); mask0/mask1: their columns that exist. y, by mode: bfloat16; float32 (the
+ * bfloat16 value widened); or, gated, 16 bfloat16 silu(gate) * up from the halves, each half rounded
+ * to bfloat16 first and every step rounded as PyTorch's silu then multiply (as pagellm_silu_and_mul
+ * on the bfloat16 output). */
 static inline __attribute__((always_inline)) void linear_tile(const uint32_t *x_pairs, const int rows,
                                                               int64_t pairs, const uint32_t *panel,
-                                                              const float *bias, void *y, int64_t n,
-                                                              __mmask16 mask0, __mmask16 mask1,
-                                                              const uint32_t *next_panel, int out_f32) {
+                                                              const float *bias0, const float *bias1, void *y,
+                                                              int64_t n, __mmask16 mask0, __mmask16 mask1,
+                                                              const uint32_t *next_panel, int mode) {
     __m512 acc[LINEAR_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; j++) {
@@ -1046,12 +1079,21 @@ static inline __attribute__((always_inline)) void linear_tile(const uint32_t *x_
     }
     for (int r = 0; r < rows; r++) {
         __m512 v0 = acc[r][0], v1 = acc[r][1];
-        if (bias != NULL) {
-            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(mask0, bias));
-            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(mask1, bias + 16));
+        if (bias0 != NULL) {
+            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(mask0, bias0));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(mask1, bias1));
         }
         const __m256bh y0 = _mm512_cvtneps_pbh(v0), y1 = _mm512_cvtneps_pbh(v1); /* nearest even */
-        if (out_f32) {
+        if (mode == LINEAR_SILU_GATED) {
+            const __m512 gate = _mm512_cvtpbh_ps(y0), up = _mm512_cvtpbh_ps(y1);
+            /* silu(g) = g / (1 + exp(-g)); exp overflows below -88, where silu is -0 */
+            const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gate), _mm512_set1_epi32((int)0x80000000u)));
+            const __mmask16 huge = _mm512_cmp_ps_mask(gate, _mm512_set1_ps(-88.0f), _CMP_LT_OQ);
+            const __m512 e = _mm512_mask_blend_ps(huge, exp16(neg), _mm512_set1_ps(INFINITY));
+            const __m512 silu = round_bf16x16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            const __m512 out = round_bf16x16(_mm512_mul_ps(silu, up));
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * n, mask0, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(out), 16)));
+        } else if (mode == LINEAR_F32) {
             _mm512_mask_storeu_ps((float *)y + r * n, mask0, _mm512_cvtpbh_ps(y0));
             _mm512_mask_storeu_ps((float *)y + r * n + 16, mask1, _mm512_cvtpbh_ps(y1));
         } else {
@@ -1065,24 +1107,34 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
-/* out_f32 is a constant in each copy, so that each compiles as the tile did without the option (with
+/* The mode is a constant in each copy, so that each compiles as the tile did without the option (with
  * the flag as a variable, alternating A/B runs measured up to 4% slower on a noisy machine). */
-#define LINEAR_TILE_OUT(ROWS, F32) \
-    linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b, \
-                F32 ? (void *)((float *)y + r0 * n + col0) : (void *)((uint16_t *)y + r0 * n + col0), n, mask0, \
-                mask1, t == t0 && p + 1 < p_end && prefetch ? panel + pairs * LINEAR_COLS : NULL, F32)
+#define LINEAR_TILE_OUT(ROWS, MODE) \
+    linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b0, b1, \
+                MODE == LINEAR_F32 ? (void *)((float *)y + r0 * y_cols + col0) : (void *)((uint16_t *)y + r0 * y_cols + col0), \
+                y_cols, mask0, mask1, t == t0 && p + 1 < p_end && prefetch ? panel + pairs * LINEAR_COLS : NULL, MODE)
 #define LINEAR_TILE(ROWS) \
-    case ROWS: if (out_f32) LINEAR_TILE_OUT(ROWS, 1); else LINEAR_TILE_OUT(ROWS, 0); break;
+    case ROWS: \
+        if (mode == LINEAR_F32) LINEAR_TILE_OUT(ROWS, LINEAR_F32); \
+        else if (mode == LINEAR_SILU_GATED) LINEAR_TILE_OUT(ROWS, LINEAR_SILU_GATED); \
+        else LINEAR_TILE_OUT(ROWS, LINEAR_BF16); \
+        break;
 #endif
 
-/* x: [m, k] bfloat16 with x_stride elements between rows; w: packed by pagellm_pack_linear_weight;
- * bias: n float32 or NULL; y: [m, n] contiguous, bfloat16, or with out_f32 float32 holding the same
- * bfloat16 values (what a float() after the layer gives, without that pass). Returns -1 where the
- * kernel is not compiled in (check pagellm_linear_bf16_supported first), -2 without memory, else 0. */
+/* x: [m, k] bfloat16 with x_stride elements between rows; w: an n x k weight packed by
+ * pagellm_pack_linear_weight (gated for LINEAR_SILU_GATED); bias: n float32 or NULL. y by mode:
+ * LINEAR_BF16, [m, n] bfloat16; LINEAR_F32, [m, n] float32 holding the same bfloat16 values (what a
+ * float() after the layer gives, without that pass); LINEAR_SILU_GATED, [m, n / 2] bfloat16
+ * silu(gate) * up of the two halves of the bfloat16 result (the MLP's activation without storing
+ * and reading back the gate and up projections). Contiguous. Returns -1 where the kernel is not
+ * compiled in (check pagellm_linear_bf16_supported first), -2 without memory, -3 for an unknown mode,
+ * else 0. */
 int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint32_t *w, int64_t n,
-                        const float *bias, void *y, int out_f32, int num_threads) {
+                        const float *bias, void *y, int mode, int num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    const int64_t pairs = (k + 1) / 2, panels = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+    if (mode != LINEAR_BF16 && mode != LINEAR_F32 && mode != LINEAR_SILU_GATED) return -3;
+    const int gated = mode == LINEAR_SILU_GATED;
+    const int64_t pairs = (k + 1) / 2, panels = linear_panels(n, gated), y_cols = gated ? n / 2 : n;
     /* Rows go in tiles of equal size (41 rows: 11 + 10 + 10 + 10, not 12 + 12 + 12 + 5). */
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, small = m / (tiles ? tiles : 1), big = m % (tiles ? tiles : 1);
     const int64_t chunk_tiles = pairs ? LINEAR_CHUNK_BYTES / (LINEAR_ROWS * pairs * 4) + 1 : tiles + 1;
@@ -1107,9 +1159,13 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
             const int64_t p_begin = panels * id / nt, p_end = panels * (id + 1) / nt;
             for (int64_t p = p_begin; p < p_end; p++) {
                 const uint32_t *panel = w + p * pairs * LINEAR_COLS;
-                const int64_t col0 = p * LINEAR_COLS;
-                const __mmask16 mask0 = lanes_below(n - col0), mask1 = lanes_below(n - col0 - 16);
-                const float *b = bias != NULL ? bias + col0 : NULL;
+                /* the panel's first output column and the weight rows of its two halves */
+                const int64_t col0 = gated ? p * LINEAR_COLS / 2 : p * LINEAR_COLS;
+                const int64_t row0 = panel_column(p, 0, n, gated), row1 = panel_column(p, LINEAR_COLS / 2, n, gated);
+                const __mmask16 mask0 = lanes_below(gated ? y_cols - col0 : n - col0);
+                const __mmask16 mask1 = gated ? mask0 : lanes_below(n - col0 - 16);
+                const float *b0 = bias != NULL ? bias + row0 : NULL;
+                const float *b1 = bias != NULL ? bias + (row1 >= 0 ? row1 : row0) : NULL; /* (masked off) */
                 for (int64_t t = t0; t < t1; t++) {
                     const int64_t r0 = t * small + (t < big ? t : big);
                     switch (small + (t < big)) {
@@ -1123,7 +1179,7 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
     free(x_pairs);
     return 0;
 #else
-    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)out_f32;
+    (void)x; (void)x_stride; (void)m; (void)k; (void)w; (void)n; (void)bias; (void)y; (void)mode;
     (void)num_threads;
     return -1;
 #endif

@@ -154,9 +154,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_linear_bf16_supported.restype = ctypes.c_int
     lib.pagellm_linear_bf16_supported.argtypes = []
     lib.pagellm_linear_packed_words.restype = i64
-    lib.pagellm_linear_packed_words.argtypes = [i64, i64]
+    lib.pagellm_linear_packed_words.argtypes = [i64, i64, ctypes.c_int]
     lib.pagellm_pack_linear_weight.restype = None
-    lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.pagellm_linear_bf16.restype = ctypes.c_int
     lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
 
@@ -393,53 +393,71 @@ def _linear_lib() -> ctypes.CDLL:
     return lib
 
 
-def _packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
-    """(panels of 32 output columns, pairs of input columns, 32): the packed weight's shape."""
-    return (-(-out_features // 32), -(-in_features // 2), 32)
+# Output modes of the kernel (enum in cpu_kernels.c).
+_LINEAR_BF16, _LINEAR_F32, _LINEAR_SILU_GATED = 0, 1, 2
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def _packed_shape(out_features: int, in_features: int, gated: bool = False) -> tuple[int, ...]:
+    """(panels of 32 weight rows, pairs of input columns, 32), or gated (panels, pairs, 2, 16): the
+    packed weight's shape (the same words; the gated one says so by its shape)."""
+    pairs = -(-in_features // 2)
+    return (-(-out_features // 2 // 16), pairs, 2, 16) if gated else (-(-out_features // 32), pairs, 32)
+
+
+def pack_linear_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """A (out_features, in_features) bfloat16 weight in ``linear_bf16``'s layout: int32 words of
     shape ``(ceil(out / 32), ceil(in / 2), 32)``, word [p, j, c] = the pair (w[32p + c, 2j],
-    w[32p + c, 2j + 1]) (zero past the weight's edges)."""
+    w[32p + c, 2j + 1]) (zero past the weight's edges). ``gated``: the weight is ``[gate; up]`` (an
+    even number of rows) for ``linear_bf16(..., gated=True)``, packed as ``(ceil(out / 32), ceil(in /
+    2), 2, 16)``: word [p, j, 0, c] is gate row 16p + c's pair j, word [p, j, 1, c] up row 16p + c's."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"need a 2-D bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated weight stacks gate and up rows: it needs an even number of rows, got {weight.shape[0]}")
     lib = _linear_lib()
     weight = weight.contiguous()
     n, k = weight.shape
-    packed = torch.empty(_packed_shape(n, k), dtype=torch.int32)
-    assert packed.numel() == lib.pagellm_linear_packed_words(n, k)
-    lib.pagellm_pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+    packed = torch.empty(_packed_shape(n, k, gated), dtype=torch.int32)
+    assert packed.numel() == lib.pagellm_linear_packed_words(n, k, gated)
+    lib.pagellm_pack_linear_weight(weight.data_ptr(), n, k, gated, packed.data_ptr(), torch.get_num_threads())
     return packed
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                gated: bool = False) -> torch.Tensor:
     """x (rows, in_features) bfloat16 on the CPU (any stride between rows, unit stride within) times
     the weight packed by ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given:
     (rows, out_features) bfloat16, sums in float32 and rounded once. Each row's result is the same
     whatever the other rows are. With ``out_dtype=torch.float32`` the same bfloat16 values come back
-    as float32 (the LM head's logits: no separate ``float()`` pass)."""
+    as float32 (the LM head's logits: no separate ``float()`` pass). ``gated`` (a weight packed
+    gated): (rows, out_features / 2) bfloat16 ``silu(gate) * up`` of the result's two halves, the
+    same bits as ``silu_and_mul`` on the bfloat16 result (the MLP's activation, without storing the
+    gate and up projections and reading them back)."""
     lib = _linear_lib()
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-D bfloat16 CPU tensor with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} (strides {x.stride()}) on {x.device}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if out_dtype not in (torch.bfloat16, torch.float32) or (gated and out_dtype != torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or (not gated) torch.float32, got {out_dtype}")
+    if gated and out_features % 2:
+        raise ValueError(f"a gated weight has an even number of rows (gate and up), got {out_features}")
     rows, in_features = x.shape
     if (packed.dtype != torch.int32 or packed.device.type != "cpu" or not packed.is_contiguous()
-            or tuple(packed.shape) != _packed_shape(out_features, in_features)):
+            or tuple(packed.shape) != _packed_shape(out_features, in_features, gated)):
         raise ValueError(f"the packed weight {packed.dtype} {tuple(packed.shape)} is not one of {out_features} x "
-                         f"{in_features} from pack_linear_weight (shape {_packed_shape(out_features, in_features)}): "
+                         f"{in_features} from pack_linear_weight{'(gated=True)' if gated else ''} (shape "
+                         f"{_packed_shape(out_features, in_features, gated)}): "
                          f"a weight of another shape, or x with the wrong number of columns ({in_features})")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()
                              or bias.device.type != "cpu"):
         raise ValueError(f"bias must be a contiguous float32 CPU tensor of {out_features}")
-    out = torch.empty(rows, out_features, dtype=out_dtype)
+    out = torch.empty(rows, out_features // 2 if gated else out_features, dtype=out_dtype)
+    mode = _LINEAR_SILU_GATED if gated else _LINEAR_F32 if out_dtype == torch.float32 else _LINEAR_BF16
     if rows and out_features:
         status = lib.pagellm_linear_bf16(x.data_ptr(), x.stride(0), rows, in_features, packed.data_ptr(), out_features,
-                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                         out_dtype == torch.float32, torch.get_num_threads())
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(), mode,
+                                         torch.get_num_threads())
         if status == -2:
             raise MemoryError(f"native linear: no memory for {rows} x {in_features} inputs")
         assert status == 0, status  # _linear_lib checked that the kernel is compiled in

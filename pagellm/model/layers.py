@@ -110,6 +110,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
+    # The projection whose output is [gate | up]: a packed native linear applies silu(gate) * up itself.
+    gated_projection = "gate_up_proj"
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
@@ -117,6 +120,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "gated", False):
+            return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up as the matmul stores it
         gate_up = self.gate_up_proj(x)
         act = native.silu_and_mul(gate_up)  # one pass instead of two
         if act is None:

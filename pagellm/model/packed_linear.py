@@ -10,7 +10,9 @@ therefore packed once after loading, for one of two kernels:
 - ``"onednn"``: oneDNN's packed layout (the ops PyTorch's own compiler uses when it freezes a CPU
   model), 1.2-3x ``F.linear`` with bit-identical results; everywhere else oneDNN has bfloat16.
 
-Other devices and dtypes keep ``nn.Linear``.
+Other devices and dtypes keep ``nn.Linear``. With the native kernel, a projection whose output is
+``[gate | up]`` (a module's ``gated_projection``) is packed to return ``silu(gate) * up`` directly:
+the same bits as the separate activation, without writing both halves out and reading them back.
 """
 
 from __future__ import annotations
@@ -36,18 +38,23 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.T
 
 
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` (already loaded) whose weight is kept packed for ``kernel``."""
+    """An ``nn.Linear`` (already loaded) whose weight is kept packed for ``kernel``. ``gated`` (native
+    kernel only): the layer's output is ``[gate | up]`` and the module returns ``silu(gate) * up``,
+    ``out_features / 2`` wide."""
 
-    def __init__(self, linear: nn.Linear, kernel: str = "onednn") -> None:
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn", gated: bool = False) -> None:
         super().__init__()
         if kernel not in ("native", "onednn"):
             raise ValueError(f"unknown linear kernel {kernel!r}: 'native' or 'onednn'")
+        if gated and kernel != "native":
+            raise ValueError("only the native kernel applies silu(gate) * up itself (gated=True)")
         self.kernel = kernel
+        self.gated = gated
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach()
         if kernel == "native":
-            packed = native.pack_linear_weight(weight)
+            packed = native.pack_linear_weight(weight, gated=gated)
             # Added to the float32 sums before rounding. (Kept float32: do not cast the module.)
             bias = None if bias is None else bias.float()
         else:
@@ -56,10 +63,11 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """x @ weight.T + bias, in ``x``'s dtype; with ``out_dtype`` (float32 for logits) that result
-        converted, which the native kernel does as it stores."""
+        """x @ weight.T + bias, in ``x``'s dtype (gated: silu(gate) * up of it); with ``out_dtype``
+        (float32 for logits) that result converted, which the native kernel does as it stores."""
         if x.dim() == 2 and self.kernel == "native" and x.stride(-1) == 1:  # the model's every call
-            return native.linear_bf16(x, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype)
+            return native.linear_bf16(x, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype,
+                                      self.gated)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
@@ -67,12 +75,13 @@ class PackedLinear(nn.Module):
         if self.kernel == "native":
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype)
+            out = native.linear_bf16(rows, self.packed_weight, self.out_features, self.bias, out_dtype or x.dtype,
+                                     self.gated)
         else:
             out = _onednn_linear(rows, self.packed_weight, self.bias)
             if out_dtype is not None:
                 out = out.to(out_dtype)
-        return out.view(*lead, self.out_features)
+        return out.view(*lead, out.shape[-1])
 
 
 def packing_works(dtype: torch.dtype, device: torch.device) -> bool:
@@ -103,6 +112,7 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
 
     Call after the weights are loaded. Returns how many layers were packed (0 where packing
     does not apply). A tied LM head gets its own packed copy; the embedding keeps the original.
+    With the native kernel, the child a module names as its ``gated_projection`` is packed gated.
     """
     kernel = linear_kernel(dtype, device)
     if kernel is None:
@@ -111,7 +121,8 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, kernel))
+                gated = kernel == "native" and getattr(module, "gated_projection", None) == name
+                setattr(module, name, PackedLinear(child, kernel, gated))
                 count += 1
     if count:
         logger.info("packed %d linear layers for the %s bfloat16 kernel", count, kernel)

@@ -77,6 +77,45 @@ def test_packed_layout():
 
 
 @needs_linear
+@pytest.mark.parametrize("rows", [1, 13, 41])
+@pytest.mark.parametrize("inter", [1, 16, 17, 300])  # partial panels: a lone column, one short of a panel
+@pytest.mark.parametrize("in_features,bias", [(64, False), (63, True)])
+def test_gated_output_is_silu_and_mul_of_the_linear(rows, inter, in_features, bias):
+    """The MLP's fused activation: the same bits as the bfloat16 [gate | up] followed by silu_and_mul."""
+    g = torch.Generator().manual_seed(rows * 100 + inter)
+    weight = (torch.randn(2 * inter, in_features, generator=g) / 4).to(torch.bfloat16)
+    x = (torch.randn(rows, in_features, generator=g) * 3).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([60.0, -60.0, 0.0])  # gates far past exp's clamps, both ways
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    gate_up = native.linear_bf16(x, native.pack_linear_weight(weight), 2 * inter, b)
+    got = native.linear_bf16(x, native.pack_linear_weight(weight, gated=True), 2 * inter, b, gated=True)
+    assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), native.silu_and_mul(gate_up).view(torch.int16))
+
+
+@needs_linear
+def test_gated_packed_layout():
+    """Gated panel p holds gate rows 16p.. (word [p, j, 0, c]) and the up rows at the same offsets
+    ([p, j, 1, c]): the words of a plain panel of those 32 rows."""
+    inter = 20
+    weight = torch.randn(2 * inter, 4).to(torch.bfloat16)
+    packed = native.pack_linear_weight(weight, gated=True)
+    assert packed.shape == (2, 2, 2, 16)
+    plain = native.pack_linear_weight(torch.cat([weight[:16], weight[inter:inter + 16]]))
+    assert torch.equal(packed[0].flatten(), plain[0].flatten())  # a full panel: 16 gate rows, then their up rows
+    tail = torch.zeros(32, 4, dtype=torch.bfloat16)
+    tail[:4], tail[16:20] = weight[16:inter], weight[inter + 16:]
+    assert torch.equal(packed[1].flatten(), native.pack_linear_weight(tail)[0].flatten())  # zero past the edges
+    with pytest.raises(ValueError, match="even number of rows"):
+        native.pack_linear_weight(weight[:7], gated=True)
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="gated=True"):
+        native.linear_bf16(x, native.pack_linear_weight(weight), 2 * inter, gated=True)  # packed plain
+    with pytest.raises(ValueError, match="out_dtype"):
+        native.linear_bf16(x, packed, 2 * inter, out_dtype=torch.float32, gated=True)
+
+
+@needs_linear
 def test_large_inputs_in_several_chunks_and_strided_rows():
     # 4,864 inputs: the kernel takes about 1 MiB of them (108 rows) at a time, so 300 rows in three chunks.
     g = torch.Generator().manual_seed(1)

@@ -104,3 +104,25 @@ def test_native_linear_takes_a_non_contiguous_input():
     x = torch.randn(6, 4).to(torch.bfloat16).T  # (4, 6) with its columns 4 elements apart
     with torch.inference_mode():
         _assert_same_to_rounding(PackedLinear(linear, "native")(x), linear(x))
+
+
+@needs_native
+def test_the_mlp_gate_up_projection_is_packed_gated_with_the_same_output():
+    """The native kernel applies silu(gate) * up as it stores: the MLP gives the same bits as the
+    plain packed projection followed by the separate activation."""
+    from pagellm.model.layers import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = mlp(x)
+        plain = PackedLinear(mlp.gate_up_proj, "native")
+        assert pack_linear_layers(mlp, torch.bfloat16, CPU) == 2
+        assert mlp.gate_up_proj.gated and not mlp.down_proj.gated
+        assert mlp.gate_up_proj(x).shape == (9, 40)
+        separate = mlp.down_proj(native.silu_and_mul(plain(x)))
+        assert torch.equal(mlp(x), separate)
+        _assert_same_to_rounding(mlp(x), before)
+    with pytest.raises(ValueError, match="only the native kernel"):
+        PackedLinear(nn.Linear(4, 8).to(torch.bfloat16), "onednn", gated=True)
