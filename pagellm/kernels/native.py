@@ -159,6 +159,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.pagellm_linear_bf16.restype = ctypes.c_int
     lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_decode_layers.restype = ctypes.c_int
+    lib.pagellm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
 
 
 def prefill_supported(k_cache: torch.Tensor) -> bool:
@@ -462,3 +464,39 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
             raise MemoryError(f"native linear: no memory for {rows} x {in_features} inputs")
         assert status == 0, status  # _linear_lib checked that the kernel is compiled in
     return out
+
+
+# ------------------------------------------------------------------ decode steps in one call
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's weights and KV pools for ``decode_layers`` (``pagellm_decode_layer``): the
+    RMSNorm weights (bfloat16), the packed linear weights (gate_up packed gated), their float32
+    biases or None, the pools."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+        "k_pool", "v_pool")]
+
+
+class DecodeStep(ctypes.Structure):
+    """A decode step's shapes, per-row inputs and work buffers for ``decode_layers``
+    (``pagellm_decode_step``)."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in (
+        "rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "max_blocks", "window")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [(name, ctypes.c_void_p) for name in (
+            "positions", "slots", "tables", "lens", "cos", "sin", "attention_scratch", "normed", "qkv", "attention",
+            "act")])
+
+
+def decode_layers(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Every decoder layer of a decode-only step in one native call (pagellm/model/native_decode.py
+    builds and checks the arguments): ``x`` (the embeddings) becomes the last layer's MLP output and
+    ``residual`` the running sum before it, as the layers' ``forward`` returns them."""
+    status = _linear_lib().pagellm_decode_layers(layers, len(layers), ctypes.byref(step), x.data_ptr(),
+                                                 residual.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"native decode step: no memory for {step.rows} rows")
+    assert status == 0, status

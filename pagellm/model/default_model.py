@@ -100,6 +100,10 @@ def build_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, *
     config = config_cls(**settings)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at zero; trained ones are not, and tests should see them
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

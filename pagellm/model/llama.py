@@ -14,6 +14,7 @@ from torch import nn
 
 from pagellm.model.attention import AttentionMetadata, paged_attention
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagellm.model.native_decode import NativeDecoder, decode_only
 from pagellm.model.packed_linear import PackedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): layouts in model/attention.py
@@ -113,6 +114,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Decode-only steps run every layer in one native call where all their kernels are native
+        # (model/native_decode.py; the same bits as the layers' forward). False: always the layers.
+        self.use_native_decoder = True
+        self._decoder: Optional[NativeDecoder] = None
+        self._decoder_pools: Optional[list[KVCache]] = None
 
     def forward(
         self,
@@ -122,10 +128,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        decoder = self._native_decoder(kv_caches) if self.use_native_decoder else None
+        if decoder is not None and decode_only(meta, x, positions):
+            x, residual = decoder(x, positions, meta, meta.sliding_window)  # every layer in one native call
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def _native_decoder(self, kv_caches: list[KVCache]) -> Optional[NativeDecoder]:
+        """The native decode-step driver over these pools (built on first use), or None where it does not apply."""
+        if self._decoder_pools is not kv_caches or (self._decoder is not None and not self._decoder.serves(kv_caches)):
+            self._decoder = NativeDecoder.create(self, kv_caches)
+            self._decoder_pools = kv_caches
+        return self._decoder
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits (rounded to the model's dtype
