@@ -546,20 +546,28 @@ static inline int64_t prefill_first_key(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
-/* For key block b and the tile of rows r0 .. r0 + tile - 1 (row r: query token first_query + r / groups),
- * the lanes [lo[j], hi[j]) that row r0 + j attends (empty for padding rows); returns whether any row
- * attends any lane of the block. */
-static inline int prefill_tile_lanes(int64_t b, int64_t r0, int64_t tile, int64_t rows, int64_t groups,
-                                     int64_t first_query, int64_t window, int64_t *lo, int64_t *hi) {
+/* Each of the `padded` rows of a work item (row r: query token first_query + r / groups; rows past
+ * `rows` are padding): its position, and the first key position it attends (-1 and 0 for padding). */
+static inline void prefill_row_spans(int64_t rows, int64_t padded, int64_t groups, int64_t first_query,
+                                     int64_t window, int64_t *pos, int64_t *first) {
+    for (int64_t r = 0; r < padded; r++) {
+        pos[r] = r < rows ? first_query + r / groups : -1;
+        first[r] = r < rows ? prefill_first_key(pos[r], window) : 0;
+    }
+}
+
+/* For key block b and a tile of rows with positions pos[0 .. tile - 1] and first keys first[...], the
+ * lanes [lo[j], hi[j]) that row j attends (empty for padding rows); returns whether any row attends
+ * any lane of the block. */
+static inline int prefill_tile_lanes(int64_t b, int64_t tile, const int64_t *pos, const int64_t *first, int64_t *lo,
+                                     int64_t *hi) {
     int any = 0;
-    for (int64_t j = 0; j < tile; j++) lo[j] = hi[j] = 0;
-    for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
-        const int64_t pos = first_query + r / groups, first = prefill_first_key(pos, window);
-        int64_t *l = lo + (r - r0), *h = hi + (r - r0);
-        *l = first > b * 16 ? first - b * 16 : 0;
-        *h = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
-        if (*h < *l) *h = *l;
-        any |= *h > *l;
+    for (int64_t j = 0; j < tile; j++) {
+        const int64_t l = first[j] > b * 16 ? first[j] - b * 16 : 0;
+        const int64_t h = pos[j] - b * 16 + 1 < 16 ? pos[j] - b * 16 + 1 : 16;
+        lo[j] = l;
+        hi[j] = h > l ? h : l;
+        any |= h > l;
     }
     return any;
 }
@@ -624,11 +632,15 @@ DEFINE_PREFILL_TILE(128, 2)
     static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale,  \
                                       float *acc, float *run_max, float *run_sum, const int64_t *lo,         \
                                       const int64_t *hi) {                                                   \
-        __m512 s[TILE_ROWS];                                                                             \
-        for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_setzero_ps();                                  \
-        for (int i = 0; i < HD / 2; i++)                                                                 \
-            for (int r = 0; r < TILE_ROWS; r++)                                                          \
+        __m512 s[TILE_ROWS], s2[TILE_ROWS]; /* two chains a row: the dot products' latency is hidden */   \
+        for (int r = 0; r < TILE_ROWS; r++) s[r] = s2[r] = _mm512_setzero_ps();                          \
+        for (int i = 0; i < HD / 2; i += 2)                                                              \
+            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
                 s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)kp[i], (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i])); \
+                s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)kp[i + 1],                                     \
+                                         (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i + 1]));       \
+            }                                                                                            \
+        for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_add_ps(s[r], s2[r]);                           \
         float rescale[TILE_ROWS];                                                                        \
         uint32_t pairs[TILE_ROWS][8];                                                                    \
         for (int r = 0; r < TILE_ROWS; r++) { /* online softmax over the row's attended lanes */         \
@@ -659,6 +671,62 @@ DEFINE_PREFILL_TILE(128, 2)
 DEFINE_PREFILL_TILE_DOT(64, 4)
 DEFINE_PREFILL_TILE_DOT(128, 2)
 
+/* The same for two consecutive key blocks at once (kp, vp: the first block's, then the second's; lo/hi:
+ * the attended lanes of each, row-major [2][TILE_ROWS]): one online-softmax update per 32 keys
+ * instead of per 16, which halves the reductions, rescales and accumulator round trips. */
+#define DEFINE_PREFILL_TILE_DOT2(HD, TILE_ROWS)                                                             \
+    static void prefill_tile_dot2_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale, \
+                                       float *acc, float *run_max, float *run_sum, const int64_t *lo,        \
+                                       const int64_t *hi) {                                                  \
+        __m512 s[2][TILE_ROWS];                                                                          \
+        for (int r = 0; r < TILE_ROWS; r++) s[0][r] = s[1][r] = _mm512_setzero_ps();                     \
+        for (int i = 0; i < HD / 2; i++)                                                                 \
+            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
+                const __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i]);                 \
+                s[0][r] = _mm512_dpbf16_ps(s[0][r], (__m512bh)kp[i], qi);                                \
+                s[1][r] = _mm512_dpbf16_ps(s[1][r], (__m512bh)kp[HD / 2 + i], qi);                       \
+            }                                                                                            \
+        float rescale[TILE_ROWS];                                                                        \
+        uint32_t pairs[2][TILE_ROWS][8];                                                                 \
+        for (int r = 0; r < TILE_ROWS; r++) {                                                            \
+            __mmask16 live[2];                                                                           \
+            __m512 sc[2], top = _mm512_set1_ps(-INFINITY);                                               \
+            for (int k = 0; k < 2; k++) {                                                                \
+                const int64_t l = lo[k * TILE_ROWS + r], h = hi[k * TILE_ROWS + r];                      \
+                live[k] = (__mmask16)(((1u << h) - 1u) & ~((1u << l) - 1u));                             \
+                sc[k] = _mm512_mul_ps(s[k][r], _mm512_set1_ps(scale));                                   \
+                top = _mm512_mask_max_ps(top, live[k], top, sc[k]);                                      \
+            }                                                                                            \
+            const float block_max = _mm512_reduce_max_ps(top);                                           \
+            const float m = block_max > run_max[r] ? block_max : run_max[r];                             \
+            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
+            __m512 total = _mm512_setzero_ps();                                                          \
+            for (int k = 0; k < 2; k++) {                                                                \
+                const __m512 p = _mm512_maskz_mov_ps(live[k], exp16(_mm512_sub_ps(sc[k], _mm512_set1_ps(m)))); \
+                total = _mm512_add_ps(total, p);                                                         \
+                _mm256_storeu_si256((__m256i *)pairs[k][r], (__m256i)_mm512_cvtneps_pbh(p));             \
+            }                                                                                            \
+            run_max[r] = m;                                                                              \
+            run_sum[r] = run_sum[r] * rescale[r] + _mm512_reduce_add_ps(total);                          \
+        }                                                                                                \
+        __m512 o[TILE_ROWS][HD / 16];                                                                    \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int c = 0; c < HD / 16; c++)                                                            \
+                o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + c * 16), _mm512_set1_ps(rescale[r])); \
+        for (int k = 0; k < 2; k++)                                                                      \
+            for (int m = 0; m < 8; m++)                                                                  \
+                for (int r = 0; r < TILE_ROWS; r++) {                                                    \
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[k][r][m]);                 \
+                    for (int c = 0; c < HD / 16; c++)                                                    \
+                        o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)vp[(k * 8 + m) * (HD / 16) + c], w); \
+                }                                                                                        \
+        for (int r = 0; r < TILE_ROWS; r++)                                                              \
+            for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(acc + r * HD + c * 16, o[r][c]);          \
+    }
+
+DEFINE_PREFILL_TILE_DOT2(64, 4)
+DEFINE_PREFILL_TILE_DOT2(128, 2)
+
 /* One work item (query tokens i0..i1 of KV head h) of prefill attention on bfloat16 pools with the dot
  * products; qp, acc: `padded` rows (token * groups + g) of head_dim / 2 pairs and head_dim floats. */
 static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
@@ -678,21 +746,42 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
     for (int64_t i = i0; i < i1; i++) /* the rows of a token: its query heads of KV head h, as pairs */
         memcpy(qp + (i - i0) * groups * half, q + i * q_stride + h * groups * head_dim,
                (size_t)(groups * head_dim) * sizeof(uint16_t));
-    __m512i kp[64], vp[64]; /* head_dim / 2 key row pairs; 8 token pairs x head_dim / 16 value halves */
-    for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= (cached + i1 - 1) / 16; b++) {
-        const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
-        const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
-        for (int64_t i = 0; i < half; i++) kp[i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
-        for (int64_t m = 0; m < 8; m++)
-            for (int64_t c = 0; c < head_dim / 32; c++) {
-                const __m512i a = _mm512_loadu_si512(vb + 2 * m * num_kv_heads * head_dim + 32 * c);
-                const __m512i bb = _mm512_loadu_si512(vb + (2 * m + 1) * num_kv_heads * head_dim + 32 * c);
-                vp[m * (head_dim / 16) + 2 * c] = _mm512_unpacklo_epi16(a, bb);
-                vp[m * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
-            }
+    int64_t pos[padded], first[padded];
+    prefill_row_spans(rows, padded, groups, cached + i0, window, pos, first);
+    /* Two blocks at a time: head_dim / 2 key row pairs, then 8 token pairs x head_dim / 16 value
+     * halves, of each. */
+    __m512i kp[2 * 64], vp[2 * 64];
+    const int64_t b_last = (cached + i1 - 1) / 16;
+    for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= b_last; b += 2) {
+        const int64_t blocks = b + 1 <= b_last ? 2 : 1;
+        for (int64_t k = 0; k < blocks; k++) {
+            const uint16_t *kb = k_pool + table[b + k] * block_elems + h * head_elems;
+            const uint16_t *vb = v_pool + table[b + k] * block_elems + h * head_dim;
+            for (int64_t i = 0; i < half; i++) kp[k * half + i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
+            for (int64_t m = 0; m < 8; m++)
+                for (int64_t c = 0; c < head_dim / 32; c++) {
+                    const __m512i a = _mm512_loadu_si512(vb + 2 * m * num_kv_heads * head_dim + 32 * c);
+                    const __m512i bb = _mm512_loadu_si512(vb + (2 * m + 1) * num_kv_heads * head_dim + 32 * c);
+                    vp[(k * 8 + m) * (head_dim / 16) + 2 * c] = _mm512_unpacklo_epi16(a, bb);
+                    vp[(k * 8 + m) * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
+                }
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-            int64_t lo[4], hi[4]; /* attended lanes of this block, per tile row */
-            if (!prefill_tile_lanes(b, r0, tile, rows, groups, cached + i0, window, lo, hi)) continue;
+            int64_t lo[8], hi[8]; /* attended lanes of each block, per tile row: [block][row] */
+            if (blocks == 2) {
+                const int any0 = prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi);
+                const int any1 = prefill_tile_lanes(b + 1, tile, pos + r0, first + r0, lo + tile, hi + tile);
+                if (!any0 && !any1) continue;
+                if (head_dim == 64) {
+                    prefill_tile_dot2_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                         run_sum + r0, lo, hi);
+                } else {
+                    prefill_tile_dot2_128(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                          run_sum + r0, lo, hi);
+                }
+                continue;
+            }
+            if (!prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi)) continue;
             if (head_dim == 64) {
                 prefill_tile_dot_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
                                     run_sum + r0, lo, hi);
@@ -765,6 +854,8 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
                 load_floats(q, i * q_stride + h * groups * head_dim, groups * head_dim, dtype, qi);
                 for (int64_t e = 0; e < groups * head_dim; e++) qi[e] *= scale;
             }
+            int64_t pos[padded], first[padded];
+            prefill_row_spans(rows, padded, groups, cached + i0, window, pos, first);
             for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= (cached + i1 - 1) / 16; b++) {
                 const int64_t base = table[b] * block_elems;
                 load_floats(k_pool, base + h * head_elems, head_elems, dtype, keys);
@@ -773,7 +864,7 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
                                 values + t * head_dim);
                 for (int64_t r0 = 0; r0 < rows; r0 += tile) {
                     int64_t lo[4], hi[4]; /* attended lanes of this block, per tile row */
-                    if (!prefill_tile_lanes(b, r0, tile, rows, groups, cached + i0, window, lo, hi)) continue;
+                    if (!prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi)) continue;
                     const int64_t at = r0 * head_dim;
                     if (head_dim == 64) {
                         prefill_tile_64(keys, values, qf + at, acc + at, run_max + r0, run_sum + r0, lo, hi);
