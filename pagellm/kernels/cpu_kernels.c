@@ -625,57 +625,13 @@ DEFINE_PREFILL_TILE(64, 4)
 DEFINE_PREFILL_TILE(128, 2)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* The same tile with the bfloat16 dot products (see the decode path): kp: the key block as HD / 2
- * pair-permuted rows; vp: the value block as 8 token pairs x HD / 16 unpacked halves; q: TILE_ROWS
- * rows of HD / 2 bfloat16 pairs; acc: TILE_ROWS rows in unpack order. */
+/* The same tile with the bfloat16 dot products (see the decode path), over two consecutive key blocks
+ * at once: one online-softmax update per 32 keys instead of per 16 halves the reductions, rescales
+ * and accumulator round trips. kp: each block's key rows as HD / 2 pair-permuted rows; vp: each
+ * block's values as 8 token pairs x HD / 16 unpacked halves; q: TILE_ROWS rows of HD / 2 bfloat16
+ * pairs; acc: TILE_ROWS rows in unpack order; lo/hi: the attended lanes, [block][row]. */
 #define DEFINE_PREFILL_TILE_DOT(HD, TILE_ROWS)                                                              \
-    static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale,  \
-                                      float *acc, float *run_max, float *run_sum, const int64_t *lo,         \
-                                      const int64_t *hi) {                                                   \
-        __m512 s[TILE_ROWS], s2[TILE_ROWS]; /* two chains a row: the dot products' latency is hidden */   \
-        for (int r = 0; r < TILE_ROWS; r++) s[r] = s2[r] = _mm512_setzero_ps();                          \
-        for (int i = 0; i < HD / 2; i += 2)                                                              \
-            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
-                s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)kp[i], (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i])); \
-                s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)kp[i + 1],                                     \
-                                         (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i + 1]));       \
-            }                                                                                            \
-        for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_add_ps(s[r], s2[r]);                           \
-        float rescale[TILE_ROWS];                                                                        \
-        uint32_t pairs[TILE_ROWS][8];                                                                    \
-        for (int r = 0; r < TILE_ROWS; r++) { /* online softmax over the row's attended lanes */         \
-            const __mmask16 live = (__mmask16)(((1u << hi[r]) - 1u) & ~((1u << lo[r]) - 1u));           \
-            const __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));                                \
-            const float block_max = _mm512_mask_reduce_max_ps(live, sc);                                 \
-            const float m = block_max > run_max[r] ? block_max : run_max[r];                             \
-            rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
-            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));     \
-            run_max[r] = m;                                                                              \
-            run_sum[r] = run_sum[r] * rescale[r] + _mm512_reduce_add_ps(p);                              \
-            _mm256_storeu_si256((__m256i *)pairs[r], (__m256i)_mm512_cvtneps_pbh(p));                    \
-        }                                                                                                \
-        __m512 o[TILE_ROWS][HD / 16];                                                                    \
-        for (int r = 0; r < TILE_ROWS; r++)                                                              \
-            for (int c = 0; c < HD / 16; c++)                                                            \
-                o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + c * 16), _mm512_set1_ps(rescale[r])); \
-        for (int m = 0; m < 8; m++)                                                                      \
-            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[r][m]);                        \
-                for (int c = 0; c < HD / 16; c++)                                                        \
-                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)vp[m * (HD / 16) + c], w);             \
-            }                                                                                            \
-        for (int r = 0; r < TILE_ROWS; r++)                                                              \
-            for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(acc + r * HD + c * 16, o[r][c]);          \
-    }
-
-DEFINE_PREFILL_TILE_DOT(64, 4)
-DEFINE_PREFILL_TILE_DOT(128, 2)
-
-/* The same for two consecutive key blocks at once (kp, vp: the first block's, then the second's; lo/hi:
- * the attended lanes of each, row-major [2][TILE_ROWS]): one online-softmax update per 32 keys
- * instead of per 16, which halves the reductions, rescales and accumulator round trips. */
-#define DEFINE_PREFILL_TILE_DOT2(HD, TILE_ROWS)                                                             \
-    static void prefill_tile_dot2_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale, \
+    static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale, \
                                        float *acc, float *run_max, float *run_sum, const int64_t *lo,        \
                                        const int64_t *hi) {                                                  \
         __m512 s[2][TILE_ROWS];                                                                          \
@@ -724,8 +680,8 @@ DEFINE_PREFILL_TILE_DOT(128, 2)
             for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(acc + r * HD + c * 16, o[r][c]);          \
     }
 
-DEFINE_PREFILL_TILE_DOT2(64, 4)
-DEFINE_PREFILL_TILE_DOT2(128, 2)
+DEFINE_PREFILL_TILE_DOT(64, 4)
+DEFINE_PREFILL_TILE_DOT(128, 2)
 
 /* One work item (query tokens i0..i1 of KV head h) of prefill attention on bfloat16 pools with the dot
  * products; qp, acc: `padded` rows (token * groups + g) of head_dim / 2 pairs and head_dim floats. */
@@ -754,6 +710,8 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
     const int64_t b_last = (cached + i1 - 1) / 16;
     for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= b_last; b += 2) {
         const int64_t blocks = b + 1 <= b_last ? 2 : 1;
+        if (blocks == 1) /* an odd last block: the second attends nothing, and its zero values add nothing */
+            for (int64_t i = half; i < 2 * half; i++) kp[i] = vp[i] = _mm512_setzero_si512(); /* (both half a block) */
         for (int64_t k = 0; k < blocks; k++) {
             const uint16_t *kb = k_pool + table[b + k] * block_elems + h * head_elems;
             const uint16_t *vb = v_pool + table[b + k] * block_elems + h * head_dim;
@@ -767,21 +725,10 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
                 }
         }
         for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-            int64_t lo[8], hi[8]; /* attended lanes of each block, per tile row: [block][row] */
-            if (blocks == 2) {
-                const int any0 = prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi);
-                const int any1 = prefill_tile_lanes(b + 1, tile, pos + r0, first + r0, lo + tile, hi + tile);
-                if (!any0 && !any1) continue;
-                if (head_dim == 64) {
-                    prefill_tile_dot2_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
-                                         run_sum + r0, lo, hi);
-                } else {
-                    prefill_tile_dot2_128(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
-                                          run_sum + r0, lo, hi);
-                }
-                continue;
-            }
-            if (!prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi)) continue;
+            int64_t lo[8] = {0}, hi[8] = {0}; /* attended lanes of each block, per tile row: [block][row] */
+            int any = prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi);
+            if (blocks == 2) any |= prefill_tile_lanes(b + 1, tile, pos + r0, first + r0, lo + tile, hi + tile);
+            if (!any) continue;
             if (head_dim == 64) {
                 prefill_tile_dot_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
                                     run_sum + r0, lo, hi);
