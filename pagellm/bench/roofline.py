@@ -1,9 +1,9 @@
 """This machine's limits, and how close pagellm's decode steps come to them.
 
-A decode step must at least read every weight once and every attended K/V entry once,
-and do 2 FLOPs per weight per token plus the attention FLOPs. Its roofline time is the
-larger of (bytes / memory bandwidth) and (FLOPs / matmul rate); efficiency is roofline
-time over measured time, summed over the pure-decode steps of a run.
+A decode step must at least read every weight once and every distinct attended K/V entry once (a
+prefix shared by several sequences once), and do 2 FLOPs per weight per token plus the attention
+FLOPs. Its roofline time is the larger of (bytes / memory bandwidth) and (FLOPs / matmul rate);
+efficiency is roofline time over measured time, summed over the pure-decode steps of a run.
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ def decode_efficiency(llm: Any, limits: MachineLimits) -> dict[str, Any]:
     measured = roofline = 0.0
     batch_sizes = []
     for s in steps:
+        # K/V shared by several sequences (a common prefix) is charged once: a lower bound on the bytes.
         bytes_moved = (cost.weight_bytes + s.num_decode_seqs * cost.embed_row_bytes
-                       + s.context_tokens * cost.kv_bytes_per_token)
+                       + s.distinct_context_tokens * cost.kv_bytes_per_token)
         flops = s.num_decode_seqs * cost.flops_per_token + s.context_tokens * cost.attn_flops_per_context_token
         roofline += max(bytes_moved / (limits.copy_bandwidth_gbs * 1e9), flops / (rate * 1e12))
         measured += s.seconds

@@ -43,6 +43,9 @@ class StepRecord:
     num_decode_seqs: int  # sequences that computed exactly one token
     num_prefill_tokens: int  # tokens of prompts (or recomputes) computed
     context_tokens: int  # K/V entries the decodes attended over
+    # The distinct ones: a block shared by several decodes (a common prefix) counted once. Its K/V is
+    # read from memory once a step at least; the other sequences may find it in the cache.
+    distinct_context_tokens: int = 0
     kv_blocks_in_use: int = 0
     kv_fragmentation: float = 0.0  # allocated but unused slots / allocated slots, after the step
     kv_sequences: int = 0  # sequences holding blocks after the step
@@ -439,12 +442,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.model_runner.execute(sched)
         if self.step_log is not None:
+            seconds = time.perf_counter() - t0
             decodes = [it for it in sched.scheduled if it.num_new_tokens == 1]
+            context = sum(it.start + 1 for it in decodes)
+            # Shared blocks are whole blocks (only full blocks are cached and shared; a forked
+            # sequence copies its last block before writing to it).
+            repeats = sum(len(it.block_table) for it in decodes) - len({b for it in decodes for b in it.block_table})
             self.step_log.append(StepRecord(
-                seconds=time.perf_counter() - t0,
+                seconds=seconds,
                 num_decode_seqs=len(decodes),
                 num_prefill_tokens=sum(it.num_new_tokens for it in sched.scheduled) - len(decodes),
-                context_tokens=sum(it.start + 1 for it in decodes),
+                context_tokens=context,
+                distinct_context_tokens=max(0, context - repeats * self.block_size),
             ))
         touched = self.scheduler.update(sched, result)
         if self.step_log is not None:

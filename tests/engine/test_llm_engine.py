@@ -190,3 +190,21 @@ def test_tokenizers_that_clean_up_spaces_are_decoded_as_they_stream(llama_path, 
         for out in engine.step():
             streamed = out.outputs[0].text
     assert final.outputs[0].text == streamed
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_step_log_counts_a_shared_prefix_once_in_the_distinct_kv(llama_path, prefix_caching):
+    """The benchmarks' roofline charges the K/V a step reads: a prefix shared by several decodes once."""
+    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=128, block_size=16,
+              enable_prefix_caching=prefix_caching)
+    prefix = random_prompts([64], vocab=500, seed=9)[0]  # four full blocks
+    prompts = [prefix + tail for tail in random_prompts([5, 9, 12], vocab=500, seed=10)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # caches the prefix
+    llm.llm_engine.step_log = []
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    decodes = [s for s in llm.llm_engine.step_log if s.num_prefill_tokens == 0 and s.num_decode_seqs == 3]
+    assert decodes
+    for s in decodes:
+        # With the cache the three tables share the prefix's four blocks: two of the three reads repeat.
+        shared = 2 * 64 if prefix_caching else 0
+        assert s.distinct_context_tokens == s.context_tokens - shared
