@@ -1046,11 +1046,10 @@ int pagellm_linear_bf16_supported(void) {
 #endif
 }
 
-/* 32-bit words of a packed weight of N x K. */
 /* Output modes of pagellm_linear_bf16. */
 enum { LINEAR_BF16 = 0, LINEAR_F32 = 1, LINEAR_SILU_GATED = 2 };
 
-/* Panels of a weight of n rows: 32 of its columns each or, gated, 16 gate and 16 up columns. */
+/* Panels of a weight of n rows (output columns): 32 rows each or, gated, 16 gate and 16 up rows. */
 static inline int64_t linear_panels(int64_t n, int gated) {
     return gated ? (n / 2 + LINEAR_COLS / 2 - 1) / (LINEAR_COLS / 2) : (n + LINEAR_COLS - 1) / LINEAR_COLS;
 }
@@ -1225,7 +1224,7 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
 
 /* ---------------------------------------------------------------- decode steps in one call
  * A decode-only step of a Llama-family model (pagellm/model/llama.py) runs the same kernels in the
- * same order for every layer; from Python that is about ten calls a layer, ~1 ms of interpreter time
+ * same order for every layer; from Python that is nine calls a layer, ~1 ms of interpreter time
  * a step (4% of a 41-sequence step of W1's model, 15-25% of the small steps at the end of a batch).
  * pagellm_decode_layers makes those calls itself: DecoderLayer.forward's order, written out once
  * more, for bfloat16 models whose linears are all packed for the native kernel. The model checks

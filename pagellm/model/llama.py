@@ -137,6 +137,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "LlamaForCausalLM":
+        # .to(), .float(), ... replace the tensors the native decoder points into: build it again.
+        self._decoder, self._decoder_pools = None, None
+        return super()._apply(fn, *args, **kwargs)
+
     def _native_decoder(self, kv_caches: list[KVCache]) -> Optional[NativeDecoder]:
         """The native decode-step driver over these pools (built on first use), or None where it does not apply."""
         if self._decoder_pools is not kv_caches or (self._decoder is not None and not self._decoder.serves(kv_caches)):

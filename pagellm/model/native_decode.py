@@ -1,6 +1,6 @@
 """Decode-only steps of a Llama-family model in one native call (``pagellm_decode_layers``).
 
-A decode step runs the same ten kernels per layer; called one by one from Python they cost ~1 ms of
+A decode step runs the same nine kernels per layer; called one by one from Python they cost ~1 ms of
 interpreter time a step whatever the batch (4% of a 41-sequence step of the W1 model, 15-25% of the
 few-sequence steps that end a batch). Where every kernel is the native one (bfloat16 weights, all
 linears packed for the native kernel, a bfloat16 KV cache), the C side makes those calls itself, in
@@ -31,7 +31,10 @@ class NativeDecoder:
     """The decoder layers of ``model`` over ``kv_caches``, for decode-only steps; build with ``create``."""
 
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.pools = [(k, v) for k, v in kv_caches]  # held: the layer table points into them
+        self.pools = [(k, v) for k, v in kv_caches]
+        # Every tensor the layer table points into, held so that its memory lives as long as the
+        # table (the model drops its decoder when its tensors are moved or converted: ``_apply``).
+        self.tensors: list[torch.Tensor] = []
         attn = model.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = model.config.hidden_size
@@ -49,6 +52,11 @@ class NativeDecoder:
             slot.qkv_bias, slot.o_bias = _pointer(a.qkv_proj.bias), _pointer(a.o_proj.bias)
             slot.gate_up_bias, slot.down_bias = _pointer(mlp.gate_up_proj.bias), _pointer(mlp.down_proj.bias)
             slot.k_pool, slot.v_pool = k_cache.data_ptr(), v_cache.data_ptr()
+            self.tensors += [t for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                         *(m.packed_weight for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+                                         *(m.bias for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+                             if t is not None]
+        self.tensors += [self.rotary.cos, self.rotary.sin]
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the layer table points into exactly these pools."""
@@ -57,24 +65,40 @@ class NativeDecoder:
 
     @classmethod
     def create(cls, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional["NativeDecoder"]:
-        """The decoder where every kernel of a decode step is the native one, else None."""
-        if not native.linear_supported() or not native.supports(kv_caches[0][0].device, kv_caches[0][0].dtype):
-            return None
+        """The decoder where every kernel of a decode step is the native one and every shape is the one
+        the C side assumes, else None."""
         bf16 = torch.bfloat16
-        rotary = model.layers[0].self_attn.rotary
-        if not (rotary.cos.dtype == rotary.sin.dtype == torch.float32 and rotary.cos.is_contiguous()
-                and rotary.sin.is_contiguous()):
+        k0, v0 = kv_caches[0] if kv_caches else (None, None)
+        # Device and dtype first: asking for the native kernels would compile them (not for a GPU).
+        if (k0 is None or k0.device.type != "cpu" or k0.dtype != bf16 or len(kv_caches) != len(model.layers)
+                or not native.linear_supported() or not native.supports(k0.device, k0.dtype)):
             return None
+        first = model.layers[0]
+        attn, hidden, inter = first.self_attn, model.config.hidden_size, first.mlp.intermediate_size
+        rotary, eps = attn.rotary, first.input_layernorm.eps
+        q_size, kv_size, head_dim = attn.q_size, attn.kv_size, attn.head_dim
+        if not (rotary.cos.dtype == rotary.sin.dtype == torch.float32 and rotary.cos.is_contiguous()
+                and rotary.sin.is_contiguous() and rotary.cos.shape == rotary.sin.shape
+                and rotary.cos.shape[-1] == head_dim
+                and tuple(k0.shape[1:]) == (attn.num_kv_heads, head_dim, k0.shape[3])
+                and tuple(v0.shape[1:]) == (k0.shape[3], attn.num_kv_heads, head_dim)):
+            return None
+        # (in_features, out_features) of each linear, as the C side computes them.
+        shapes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * inter), (inter, hidden))
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             a, mlp = layer.self_attn, layer.mlp
-            if not (_native_linear(a.qkv_proj, False) and _native_linear(a.o_proj, False)
-                    and _native_linear(mlp.gate_up_proj, True) and _native_linear(mlp.down_proj, False)
-                    and a.rotary is rotary and a.q_size == a.o_proj.in_features):
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(_native_linear(m, m is mlp.gate_up_proj) and (m.in_features, m.out_features) == shape
+                       for m, shape in zip(linears, shapes)):
+                return None
+            if a.rotary is not rotary or (a.num_heads, a.num_kv_heads, a.head_dim) != (attn.num_heads, attn.num_kv_heads, head_dim):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(n.weight.dtype != bf16 or not n.weight.is_contiguous() or n.eps != norms[0].eps for n in norms):
+            if any(n.weight.dtype != bf16 or not n.weight.is_contiguous() or n.weight.numel() != hidden or n.eps != eps
+                   for n in norms):
                 return None
-            if any(c.dtype != bf16 or not c.is_contiguous() for c in (k_cache, v_cache)):
+            if any(c.dtype != bf16 or not c.is_contiguous() or c.shape != ref.shape
+                   for c, ref in ((k_cache, k0), (v_cache, v0))):
                 return None
         return cls(model, kv_caches)
 

@@ -85,11 +85,18 @@ def test_gated_output_is_silu_and_mul_of_the_linear(rows, inter, in_features, bi
     g = torch.Generator().manual_seed(rows * 100 + inter)
     weight = (torch.randn(2 * inter, in_features, generator=g) / 4).to(torch.bfloat16)
     x = (torch.randn(rows, in_features, generator=g) * 3).to(torch.bfloat16)
-    x[0, :3] = torch.tensor([60.0, -60.0, 0.0])  # gates far past exp's clamps, both ways
     b = torch.randn(2 * inter, generator=g) if bias else None
+    # Row 0's first gates exactly past exp's clamps both ways, either side of silu's -88 cut, and zero.
+    edges = torch.tensor([100.0, -100.0, -88.5, -87.5, 0.0])[:inter]
+    weight[: len(edges)] = 0
+    weight[range(len(edges)), range(len(edges))] = 1  # gate j = x[:, j]
+    x[0, : len(edges)] = edges
+    if b is not None:
+        b[: len(edges)] = 0
     gate_up = native.linear_bf16(x, native.pack_linear_weight(weight), 2 * inter, b)
     got = native.linear_bf16(x, native.pack_linear_weight(weight, gated=True), 2 * inter, b, gated=True)
     assert got.shape == (rows, inter) and got.dtype == torch.bfloat16
+    assert torch.equal(gate_up[0, : len(edges)], edges.to(torch.bfloat16))
     assert torch.equal(got.view(torch.int16), native.silu_and_mul(gate_up).view(torch.int16))
 
 

@@ -75,3 +75,18 @@ def test_float32_models_keep_the_layers(llama_path, monkeypatch):
     out = llm.generate(random_prompts([7], vocab=500, seed=5), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     assert not calls and llm.llm_engine.model._decoder is None
+
+
+@needs_native
+def test_moving_the_model_drops_the_decoder(llama_path):
+    """The decoder points into the model's tensors: .to() (which may replace them) makes the model build it again."""
+    llm = LLM(str(llama_path), dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = random_prompts([9], vocab=500, seed=7)
+    first = llm.generate(prompt, params, use_tqdm=False)
+    model = llm.llm_engine.model
+    assert model._decoder is not None
+    model.to("cpu")
+    assert model._decoder is None
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert model._decoder is not None
