@@ -1227,8 +1227,8 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
  * same order for every layer; from Python that is nine calls a layer, ~1 ms of interpreter time
  * a step (4% of a 41-sequence step of W1's model, 15-25% of the small steps at the end of a batch).
  * pagellm_decode_layers makes those calls itself: DecoderLayer.forward's order, written out once
- * more, for bfloat16 models whose linears are all packed for the native kernel. The model checks
- * that it gives the Python path's bits (tests/model/test_native_decode.py). */
+ * more, for bfloat16 models whose linears are all packed for the native kernel. Tests check that it
+ * gives the Python path's bits (tests/model/test_native_decode.py). */
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;                 /* RMSNorm weights [hidden], bfloat16 */

@@ -276,6 +276,14 @@ def scratch_for(num_heads: int, head_dim: int, block_size: int, max_blocks: int)
     return torch.empty(torch.get_num_threads() * per_thread, dtype=torch.float32)
 
 
+def scratch_enough(scratch: torch.Tensor, num_heads: int, head_dim: int, block_size: int,
+                   max_blocks: int) -> torch.Tensor:
+    """``scratch``, or a larger one where the thread count was raised since it was made."""
+    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
+    needed = torch.get_num_threads() * per_thread
+    return scratch if scratch.numel() >= needed else torch.empty(needed, dtype=torch.float32)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim): heads contiguous, any stride between sequences
     k_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_dim, block_size)
@@ -299,10 +307,7 @@ def paged_decode_attention(
                          f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
     if tables.dtype != torch.int64 or lens.dtype != torch.int64 or not (tables.is_contiguous() and lens.is_contiguous()):
         raise ValueError("block tables and context lengths must be contiguous int64 tensors")
-    threads = torch.get_num_threads()
-    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, tables.shape[1])
-    if scratch.numel() < threads * per_thread:
-        scratch = torch.empty(threads * per_thread, dtype=torch.float32)  # threads were raised mid-step
+    scratch = scratch_enough(scratch, num_heads, head_dim, block_size, tables.shape[1])
     if out is None:
         out = torch.empty(q.shape, dtype=dtype)
     elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
@@ -311,7 +316,7 @@ def paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
-        DTYPE_CODES[dtype], threads, scratch.data_ptr())
+        DTYPE_CODES[dtype], torch.get_num_threads(), scratch.data_ptr())
     return out
 
 

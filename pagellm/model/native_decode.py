@@ -102,17 +102,12 @@ class NativeDecoder:
                 return None
         return cls(model, kv_caches)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's MLP output, residual sum before it) for a decode-only step's embeddings ``x``
         (rows in the order of ``meta.native_decode``); ``x`` is overwritten."""
         d = meta.native_decode
         rows = x.shape[0]
-        scratch = d.scratch
-        needed = torch.get_num_threads() * native.load().pagellm_scratch_floats(
-            self.heads, self.head_dim, self.block_size, d.tables.shape[1])
-        if scratch.numel() < needed:  # threads were raised mid-step
-            scratch = torch.empty(needed, dtype=torch.float32)
+        scratch = native.scratch_enough(d.scratch, self.heads, self.head_dim, self.block_size, d.tables.shape[1])
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         residual = torch.empty_like(x)
         normed = torch.empty_like(x)
@@ -121,7 +116,7 @@ class NativeDecoder:
         act = x.new_empty(rows, self.inter)
         step = native.DecodeStep(
             rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.block_size,
-            d.tables.shape[1], window or 0, self.eps, self.scale,
+            d.tables.shape[1], meta.sliding_window or 0, self.eps, self.scale,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
             self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr(), scratch.data_ptr(), normed.data_ptr(),
             qkv.data_ptr(), attention.data_ptr(), act.data_ptr())
