@@ -280,16 +280,16 @@ static inline __attribute__((always_inline)) void score16_dot(const uint16_t *ke
 }
 
 /* acc[g] += sum_t p[g][t] values[t] over one block of 16 value rows; p: per query head, 8 pairs of
- * bfloat16 probabilities (p_stride pairs apart); acc: per query head, HD / 32 chunks of [lo 16 | hi 16]
- * in unpack order. */
+ * bfloat16 probabilities (p_stride pairs apart); acc: per query head (acc_stride floats apart), HD / 32
+ * chunks of [lo 16 | hi 16] in unpack order. */
 static inline __attribute__((always_inline)) void weigh16_dot(const uint16_t *values, int64_t row_stride,
                                                               const uint32_t *p, int64_t p_stride, int hd, int ng,
-                                                              float *acc) {
+                                                              float *acc, int64_t acc_stride) {
     __m512 lo[4][4], hi[4][4];
     for (int g = 0; g < ng; g++)
         for (int c = 0; c < hd / 32; c++) {
-            lo[g][c] = _mm512_loadu_ps(acc + g * hd + c * 32);
-            hi[g][c] = _mm512_loadu_ps(acc + g * hd + c * 32 + 16);
+            lo[g][c] = _mm512_loadu_ps(acc + g * acc_stride + c * 32);
+            hi[g][c] = _mm512_loadu_ps(acc + g * acc_stride + c * 32 + 16);
         }
     for (int m = 0; m < 8; m++) {
         for (int c = 0; c < hd / 32; c++) {
@@ -306,13 +306,13 @@ static inline __attribute__((always_inline)) void weigh16_dot(const uint16_t *va
     }
     for (int g = 0; g < ng; g++)
         for (int c = 0; c < hd / 32; c++) {
-            _mm512_storeu_ps(acc + g * hd + c * 32, lo[g][c]);
-            _mm512_storeu_ps(acc + g * hd + c * 32 + 16, hi[g][c]);
+            _mm512_storeu_ps(acc + g * acc_stride + c * 32, lo[g][c]);
+            _mm512_storeu_ps(acc + g * acc_stride + c * 32 + 16, hi[g][c]);
         }
 }
 
 #define SCORE_DOT(n) score16_dot(keys, q + g * hd / 2, hd, n, scale, scores + g * stride, stride)
-#define WEIGH_DOT(n) weigh16_dot(values, row_stride, p + g * p_stride, p_stride, hd, n, acc + g * hd)
+#define WEIGH_DOT(n) weigh16_dot(values, row_stride, p + g * p_stride, p_stride, hd, n, acc + g * hd, hd)
 #define DEFINE_DECODE_BLOCK_DOT(HD, CHUNK)                                                               \
     static void score_block_dot_##HD(const uint16_t *keys, const uint32_t *q, int64_t groups, float scale, \
                                      float *scores, int64_t stride) {                                    \
@@ -328,49 +328,90 @@ static inline __attribute__((always_inline)) void weigh16_dot(const uint16_t *va
 DEFINE_DECODE_BLOCK_DOT(64, 4)
 DEFINE_DECODE_BLOCK_DOT(128, 2)
 
+/* The same two steps for one query head of up to 4 sequences at a time (a cascade's shared blocks,
+ * below): n query rows (contiguous pairs), their score rows `stride` floats apart, their probability
+ * rows p_stride pairs apart, their outputs acc_stride floats apart. Each row's sums run in the order
+ * they run in alone, so every row gets the bits it gets from the per-sequence kernels. */
+#define SCORE_ROWS(n) score16_dot(keys, q, hd, n, scale, scores, stride)
+#define WEIGH_ROWS(n) weigh16_dot(values, row_stride, p, p_stride, hd, n, acc, acc_stride)
+#define DEFINE_CASCADE_BLOCK_DOT(HD)                                                                     \
+    static void score_rows_dot_##HD(const uint16_t *keys, const uint32_t *q, int64_t n, float scale,      \
+                                    float *scores, int64_t stride) {                                     \
+        const int hd = HD;                                                                               \
+        switch (n) {                                                                                     \
+        case 1: SCORE_ROWS(1); break;                                                                    \
+        case 2: SCORE_ROWS(2); break;                                                                    \
+        case 3: SCORE_ROWS(3); break;                                                                    \
+        default: SCORE_ROWS(4); break;                                                                   \
+        }                                                                                                \
+    }                                                                                                    \
+    static void weigh_rows_dot_##HD(const uint16_t *values, int64_t row_stride, const uint32_t *p,        \
+                                    int64_t p_stride, int64_t n, float *acc, int64_t acc_stride) {       \
+        const int hd = HD;                                                                               \
+        switch (n) {                                                                                     \
+        case 1: WEIGH_ROWS(1); break;                                                                    \
+        case 2: WEIGH_ROWS(2); break;                                                                    \
+        case 3: WEIGH_ROWS(3); break;                                                                    \
+        default: WEIGH_ROWS(4); break;                                                                   \
+        }                                                                                                \
+    }
+
+DEFINE_CASCADE_BLOCK_DOT(64)
+DEFINE_CASCADE_BLOCK_DOT(128)
+
 /* One work item (sequence s, KV heads h_lo..h_hi) of decode attention on bfloat16 pools with the dot
- * products. scores: num_heads rows of span floats; pairs: num_heads rows of span / 2; acc: num_heads
- * rows of head_dim. */
+ * products, in two stages: DECODE_SCORES scores the keys of blocks from..nb-1 and takes the softmax
+ * over all of b0..nb-1 (zeroing the outputs), DECODE_VALUES weighs the values of blocks from..nb-1 and
+ * stores the outputs. A sequence alone runs both from b0; one in a cascade group runs each from its
+ * first own block, the group's shared blocks done between the two stages (below). scores: num_heads
+ * rows `stride` floats apart; pairs: num_heads rows stride / 2 pairs apart; acc: num_heads rows of
+ * head_dim. */
+#define DECODE_SCORES 1
+#define DECODE_VALUES 2
 static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
                             const int64_t *table, uint16_t *out, int64_t h_lo, int64_t h_hi, int64_t groups,
                             int64_t num_kv_heads, int64_t head_dim, int64_t b0, int64_t nb, int64_t lo,
-                            int64_t hi, float scale, float *scores, uint32_t *pairs, float *acc) {
+                            int64_t hi, float scale, float *scores, uint32_t *pairs, float *acc, int64_t stride,
+                            int64_t from, int stages) {
     const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
     const int64_t span = (nb - b0) * 16;
     const uint32_t *q32 = (const uint32_t *)q;
-    for (int64_t b = b0; b < nb; b++) {
-        const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
-        for (int64_t h = h_lo; h < h_hi; h++) {
-            prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, PAGELLM_BF16);
-            const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
-            float *dst = scores + h * groups * span + (b - b0) * 16;
-            const uint32_t *qh = q32 + h * groups * head_dim / 2;
-            if (head_dim == 64) {
-                score_block_dot_64(kb, qh, groups, scale, dst, span);
-            } else {
-                score_block_dot_128(kb, qh, groups, scale, dst, span);
+    if (stages & DECODE_SCORES) {
+        for (int64_t b = from; b < nb; b++) {
+            const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
+            for (int64_t h = h_lo; h < h_hi; h++) {
+                prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, PAGELLM_BF16);
+                const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+                float *dst = scores + h * groups * stride + (b - b0) * 16;
+                const uint32_t *qh = q32 + h * groups * head_dim / 2;
+                if (head_dim == 64) {
+                    score_block_dot_64(kb, qh, groups, scale, dst, stride);
+                } else {
+                    score_block_dot_128(kb, qh, groups, scale, dst, stride);
+                }
             }
         }
+        for (int64_t hq = h_lo * groups; hq < h_hi * groups; hq++) {
+            softmax(scores + hq * stride, lo, hi, span);
+            for (int64_t t = 0; t < span; t += 16) /* 16 probabilities -> 8 pairs of bfloat16 */
+                _mm256_storeu_si256((__m256i *)(pairs + hq * (stride / 2) + t / 2),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + hq * stride + t)));
+            for (int64_t d = 0; d < head_dim; d++) acc[hq * head_dim + d] = 0.0f;
+        }
     }
-    for (int64_t hq = h_lo * groups; hq < h_hi * groups; hq++) {
-        softmax(scores + hq * span, lo, hi, span);
-        for (int64_t t = 0; t < span; t += 16) /* 16 probabilities -> 8 pairs of bfloat16 */
-            _mm256_storeu_si256((__m256i *)(pairs + hq * (span / 2) + t / 2),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + hq * span + t)));
-        for (int64_t d = 0; d < head_dim; d++) acc[hq * head_dim + d] = 0.0f;
-    }
-    for (int64_t b = b0; b < nb; b++) {
+    if (!(stages & DECODE_VALUES)) return;
+    for (int64_t b = from; b < nb; b++) {
         const int64_t next = b + 1 < nb ? table[b + 1] * block_elems : -1;
         for (int64_t h = h_lo; h < h_hi; h++) {
             for (int64_t t = 0; t < 16 && next >= 0; t++)
                 prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, PAGELLM_BF16);
             const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
-            const uint32_t *p = pairs + h * groups * (span / 2) + (b - b0) * 8;
+            const uint32_t *p = pairs + h * groups * (stride / 2) + (b - b0) * 8;
             float *o = acc + h * groups * head_dim;
             if (head_dim == 64) {
-                weigh_block_dot_64(vb, num_kv_heads * head_dim, p, span / 2, groups, o);
+                weigh_block_dot_64(vb, num_kv_heads * head_dim, p, stride / 2, groups, o);
             } else {
-                weigh_block_dot_128(vb, num_kv_heads * head_dim, p, span / 2, groups, o);
+                weigh_block_dot_128(vb, num_kv_heads * head_dim, p, stride / 2, groups, o);
             }
         }
     }
@@ -386,6 +427,60 @@ static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uin
                     row[c + 8 * L + 4 + j] = a[c + 16 + 4 * L + j];
                 }
         store_floats(out, hq * head_dim, head_dim, PAGELLM_BF16, row);
+    }
+}
+
+/* ---- Cascade: decodes that share their first blocks (a cached prompt prefix, forked samples) would
+ * each read those blocks again at every step, one query at a time. A group's shared blocks are read
+ * once instead (FlashInfer's shared-prefix batch decoding): their keys scored and their values weighed
+ * for up to 4 of the group's queries per pass (score_rows_dot, weigh_rows_dot), between the two stages
+ * of each sequence's own item. Every row's sums run in the order decode_item_dot runs them: the
+ * outputs are the bits each sequence gets alone. */
+
+/* The shared blocks 0..shared-1 of a group of n sequences, KV head h: their keys scored into the
+ * sequences' score rows (values == 0), or their values weighed into the outputs (values == 1). scores,
+ * pairs, acc: the group's first sequence's rows (stride, stride / 2 and head_dim apart; each next
+ * sequence num_heads rows on); qbuf: n * head_dim / 2 words. */
+static void cascade_shared_dot(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
+                               const int64_t *table, int64_t n, int64_t shared, int64_t h, int64_t groups,
+                               int64_t num_kv_heads, int64_t head_dim, float scale, float *scores, uint32_t *pairs,
+                               float *acc, int64_t stride, uint32_t *qbuf, int values) {
+    const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
+    const int64_t num_heads = groups * num_kv_heads, half = head_dim / 2;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t hq = h * groups + g;
+        if (!values) /* this query head of every sequence of the group, as contiguous pairs */
+            for (int64_t i = 0; i < n; i++)
+                memcpy(qbuf + i * half, q + i * q_stride + hq * head_dim, (size_t)head_dim * sizeof(uint16_t));
+        for (int64_t b = 0; b < shared; b++) {
+            const int64_t next = b + 1 < shared && g == 0 ? table[b + 1] * block_elems : -1;
+            for (int64_t i = 0; i < n; i += 4) {
+                const int64_t rows = n - i < 4 ? n - i : 4;
+                if (!values) {
+                    if (i == 0) prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, PAGELLM_BF16);
+                    const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+                    float *dst = scores + (i * num_heads + hq) * stride + b * 16;
+                    if (head_dim == 64) {
+                        score_rows_dot_64(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
+                    } else {
+                        score_rows_dot_128(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
+                    }
+                } else {
+                    for (int64_t t = 0; t < 16 && next >= 0 && i == 0; t++)
+                        prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, PAGELLM_BF16);
+                    const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
+                    const uint32_t *p = pairs + (i * num_heads + hq) * (stride / 2) + b * 8;
+                    float *o = acc + (i * num_heads + hq) * head_dim;
+                    if (head_dim == 64) {
+                        weigh_rows_dot_64(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
+                                          num_heads * head_dim);
+                    } else {
+                        weigh_rows_dot_128(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
+                                           num_heads * head_dim);
+                    }
+                }
+            }
+        }
     }
 }
 #endif
@@ -416,19 +511,61 @@ int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t bloc
 
 /* q, out: [num_seqs, num_heads, head_dim] (q with q_stride elements between sequences); tables: [num_seqs, max_blocks] block ids; lens: [num_seqs]
  * context lengths (>= 1). With window > 0 only the last `window` positions are attended.
- * scratch: num_threads * pagellm_scratch_floats(...) floats. */
+ * scratch: num_threads * pagellm_scratch_floats(...) floats. cascade: num_cascade rows (begin, end,
+ * shared): sequences begin..end-1 (disjoint runs) whose tables hold the same first `shared` blocks,
+ * read once for the run (see the cascade above; the dot-product path without a window, others ignore
+ * it). The outputs are the same bits with or without it. */
 void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int64_t *tables,
                                     const int64_t *lens, void *out, int64_t num_seqs, int64_t num_heads,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     int64_t max_blocks, int64_t window, float scale, int dtype, int num_threads,
-                                    float *scratch) {
+                                    float *scratch, const int64_t *cascade, int64_t num_cascade) {
     const int64_t groups = num_heads / num_kv_heads;       /* query heads per KV head */
     const int64_t head_elems = head_dim * block_size;       /* one KV head of a block */
     const int64_t block_elems = num_kv_heads * head_elems;  /* one block, all KV heads */
     const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
     const int vector_bf16 = dtype == PAGELLM_BF16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+    /* A cascade's members keep their score, probability and output rows between the stages: each
+     * sequence's shared block count (0: not in a group), its rows, and each thread's query buffer. */
+    int64_t *shared = NULL;
+    float *c_scores = NULL, *c_acc = NULL;
+    uint32_t *c_pairs = NULL, *c_q = NULL;
+    const int64_t c_stride = max_blocks * 16;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (num_cascade > 0 && vector_bf16 && use_dot_products && window <= 0) {
+        shared = calloc((size_t)num_seqs, sizeof(int64_t));
+        c_scores = malloc((size_t)(num_seqs * num_heads * c_stride) * sizeof(float));
+        c_pairs = malloc((size_t)(num_seqs * num_heads * c_stride / 2) * sizeof(uint32_t));
+        c_acc = malloc((size_t)(num_seqs * num_heads * head_dim) * sizeof(float));
+        c_q = malloc((size_t)(num_threads * num_seqs * head_dim / 2) * sizeof(uint32_t));
+        if (shared == NULL || c_scores == NULL || c_pairs == NULL || c_acc == NULL || c_q == NULL) {
+            free(shared); /* without the memory every sequence reads its own blocks: the same result */
+            shared = NULL;
+        } else {
+            for (int64_t c = 0; c < num_cascade; c++)
+                for (int64_t s = cascade[3 * c]; s < cascade[3 * c + 1]; s++) shared[s] = cascade[3 * c + 2];
+        }
+    }
+#else
+    (void)cascade;
+    (void)num_cascade;
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if (shared != NULL) { /* the groups' shared keys, one KV head of one group an item */
+            uint32_t *qbuf = c_q + omp_get_thread_num() * num_seqs * head_dim / 2;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_cascade * num_kv_heads; item++) {
+                const int64_t *c = cascade + 3 * (item / num_kv_heads), begin = c[0];
+                cascade_shared_dot((const uint16_t *)q + begin * q_stride, q_stride, k_pool, v_pool,
+                                   tables + begin * max_blocks, c[1] - begin, c[2], item % num_kv_heads, groups,
+                                   num_kv_heads, head_dim, scale, c_scores + begin * num_heads * c_stride,
+                                   c_pairs + begin * num_heads * c_stride / 2, c_acc + begin * num_heads * head_dim,
+                                   c_stride, qbuf, 0);
+            }
+        }
+#endif
         float *qf = scratch + omp_get_thread_num() * per_thread; /* scaled queries, all heads */
         float *acc = qf + num_heads * head_dim;                  /* outputs, all heads */
         float *scores = acc + num_heads * head_dim;              /* num_heads rows of `span` */
@@ -455,10 +592,18 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             const int64_t out_offset = (s * num_heads + q_lo) * head_dim;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (vector_bf16 && use_dot_products) {
-                decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
-                                (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
-                                head_dim, b0, nb, first - b0 * block_size, len - b0 * block_size, scale, scores,
-                                pairs, acc);
+                if (shared != NULL && shared[s] > 0) { /* its own keys, then the softmax over all */
+                    decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
+                                    (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
+                                    head_dim, 0, nb, 0, len, scale, c_scores + s * num_heads * c_stride,
+                                    c_pairs + s * num_heads * c_stride / 2, c_acc + s * num_heads * head_dim,
+                                    c_stride, shared[s], DECODE_SCORES);
+                } else {
+                    decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
+                                    (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
+                                    head_dim, b0, nb, first - b0 * block_size, len - b0 * block_size, scale, scores,
+                                    pairs, acc, span, b0, DECODE_SCORES | DECODE_VALUES);
+                }
                 continue;
             }
 #endif
@@ -525,7 +670,36 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             }
             store_floats(out, out_offset, q_elems, dtype, acc + q_lo * head_dim);
         }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if (shared != NULL) { /* the groups' shared values, then each member's own and its outputs */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_cascade * num_kv_heads; item++) {
+                const int64_t *c = cascade + 3 * (item / num_kv_heads), begin = c[0];
+                cascade_shared_dot((const uint16_t *)q + begin * q_stride, q_stride, k_pool, v_pool,
+                                   tables + begin * max_blocks, c[1] - begin, c[2], item % num_kv_heads, groups,
+                                   num_kv_heads, head_dim, scale, c_scores + begin * num_heads * c_stride,
+                                   c_pairs + begin * num_heads * c_stride / 2, c_acc + begin * num_heads * head_dim,
+                                   c_stride, NULL, 1);
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_seqs * head_chunks; item++) {
+                const int64_t s = item / head_chunks;
+                if (shared[s] == 0) continue;
+                const int64_t h_lo = item % head_chunks * chunk, nb = (lens[s] + 15) / 16;
+                decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, tables + s * max_blocks,
+                                (uint16_t *)out + s * num_heads * head_dim, h_lo, h_lo + chunk, groups, num_kv_heads,
+                                head_dim, 0, nb, 0, lens[s], scale, c_scores + s * num_heads * c_stride,
+                                c_pairs + s * num_heads * c_stride / 2, c_acc + s * num_heads * head_dim, c_stride,
+                                shared[s], DECODE_VALUES);
+            }
+        }
+#endif
     }
+    free(shared);
+    free(c_scores);
+    free(c_pairs);
+    free(c_acc);
+    free(c_q);
 }
 
 /* ---------------------------------------------------------------- paged prefill attention
@@ -1241,6 +1415,8 @@ typedef struct {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks, window;
     float eps, scale;
     const int64_t *positions, *slots, *tables, *lens; /* per row: position, KV slot, block table, context */
+    const int64_t *cascade;                           /* runs sharing their first blocks (see above) */
+    int64_t num_cascade;
     const float *cos, *sin;                           /* rotary tables [max_position, head_dim] */
     float *attention_scratch;                         /* num_threads * pagellm_scratch_floats(...) */
     uint16_t *normed, *qkv, *attention, *act;         /* work: rows x hidden, x qkv width, x heads * head_dim, x inter */
@@ -1272,7 +1448,8 @@ int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers
                          w->v_pool, s->kv_heads, s->head_dim, s->block_size, 2, num_threads);
         pagellm_paged_decode_attention(s->qkv, width, w->k_pool, w->v_pool, s->tables, s->lens, s->attention, rows,
                                        s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
-                                       s->scale, PAGELLM_BF16, num_threads, s->attention_scratch);
+                                       s->scale, PAGELLM_BF16, num_threads, s->attention_scratch, s->cascade,
+                                       s->num_cascade);
         status = pagellm_linear_bf16(s->attention, q_size, rows, q_size, w->o, s->hidden, w->o_bias, x, LINEAR_BF16,
                                      num_threads);
         if (status != 0) return status;

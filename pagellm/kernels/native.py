@@ -133,7 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
-        [ptr, i64] + [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+        [ptr, i64] + [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr, i64])
     lib.pagellm_prefill_scratch_floats.restype = i64
     lib.pagellm_prefill_scratch_floats.argtypes = [i64, i64, i64]
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
@@ -294,10 +294,15 @@ def paged_decode_attention(
     scale: float,
     window: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    cascade: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in the
     cache's dtype: ``out`` when it is given (contiguous, that shape and dtype). Block ids and lengths are
-    the engine's (each length >= 1 and covered by its row of ``tables``); shapes are checked here."""
+    the engine's (each length >= 1 and covered by its row of ``tables``); shapes are checked here.
+    ``cascade``: (groups, 3) int64 rows (begin, end, shared), as ``attention.cascade_groups`` finds
+    them: sequences ``begin..end-1`` hold the same first ``shared`` blocks, read once for the run
+    (bfloat16 pools with the dot products and no window; elsewhere each sequence reads them itself).
+    The output is the same bits with or without it."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
@@ -312,11 +317,16 @@ def paged_decode_attention(
         out = torch.empty(q.shape, dtype=dtype)
     elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)}")
+    if cascade is not None and (cascade.dtype != torch.int64 or cascade.dim() != 2 or cascade.shape[1] != 3
+                                or not cascade.is_contiguous()):
+        raise ValueError(f"cascade must be a contiguous (groups, 3) int64 tensor, got {cascade.dtype} "
+                         f"{tuple(cascade.shape)}")
     load().pagellm_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
-        DTYPE_CODES[dtype], torch.get_num_threads(), scratch.data_ptr())
+        DTYPE_CODES[dtype], torch.get_num_threads(), scratch.data_ptr(),
+        None if cascade is None else cascade.data_ptr(), 0 if cascade is None else cascade.shape[0])
     return out
 
 
@@ -491,9 +501,10 @@ class DecodeStep(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in (
         "rows", "hidden", "heads", "kv_heads", "head_dim", "inter", "block_size", "max_blocks", "window")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [(name, ctypes.c_void_p) for name in ("positions", "slots", "tables", "lens", "cascade")]
+        + [("num_cascade", ctypes.c_int64)]
         + [(name, ctypes.c_void_p) for name in (
-            "positions", "slots", "tables", "lens", "cos", "sin", "attention_scratch", "normed", "qkv", "attention",
-            "act")])
+            "cos", "sin", "attention_scratch", "normed", "qkv", "attention", "act")])
 
 
 def decode_layers(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor) -> None:

@@ -69,6 +69,9 @@ class DecodeBatch:
     tables: torch.Tensor  # (num, max_blocks) int64 block ids, padded with any valid id
     lens: torch.Tensor  # (num,) int64 context lengths
     scratch: torch.Tensor  # the kernel's working memory, shared by every layer
+    # (groups, 3) int64 (begin, end, shared): runs of decodes whose leading blocks are the same, attended
+    # once for the run (cascade attention, see native.paged_decode_attention); None: no such runs
+    cascade: Optional[torch.Tensor] = None
 
     @property
     def num(self) -> int:
@@ -90,6 +93,29 @@ class AttentionMetadata:
 # Below this block size, scoring keys in place costs more index memory than the keys themselves
 # (head_dim / block_size row ids per key and head), so small blocks gather their keys instead.
 BAG_MIN_BLOCK_SIZE = 8
+
+
+def cascade_groups(tables: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive decodes whose block tables start with the same blocks (a cached prompt
+    prefix, forked samples), as ``(begin, end, shared)``: decodes ``begin..end-1`` (two or more) hold
+    the same first ``shared`` (>= 1) blocks. Decodes sharing a prefix must be adjacent (sorted by their
+    first block) to be found."""
+    groups = []
+    begin = 0
+    while begin < len(tables):
+        end = begin + 1
+        while end < len(tables) and tables[end][:1] == tables[begin][:1]:
+            end += 1
+        if end - begin >= 2:
+            run = tables[begin:end]
+            # The blocks every table of the run starts with: those its lexicographic least and
+            # greatest share.
+            low, high = min(run), max(run)
+            shared = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), min(len(low), len(high)))
+            if shared:
+                groups.append((begin, end, shared))
+        begin = end
+    return groups
 
 
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
@@ -194,7 +220,8 @@ def paged_attention(
         d = meta.native_decode
         rows = out[: d.num]  # written in place where the cache has the queries' dtype
         got = native.paged_decode_attention(q[: d.num], k_cache, v_cache, d.tables, d.lens, d.scratch, scale,
-                                            window, out=rows if rows.dtype == k_cache.dtype else None)
+                                            window, out=rows if rows.dtype == k_cache.dtype else None,
+                                            cascade=d.cascade)
         if got is not rows:
             rows.copy_(got)
     for g in meta.decode_groups:

@@ -9,7 +9,8 @@ import torch
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
-from pagellm.model.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, decode_group
+from pagellm.model.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, cascade_groups,
+                                     decode_group)
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -58,11 +59,14 @@ class ModelRunner:
         return groups
 
     def _decode_batch(self, tables: list[list[int]], lens: list[int]) -> DecodeBatch:
-        """All decodes for the native kernel, tables padded with block 0 (read only up to each length)."""
+        """All decodes for the native kernel, tables padded with block 0 (read only up to each length);
+        decodes sharing leading blocks (adjacent: see ``execute``) attend those once (cascade)."""
         width = max(len(t) for t in tables)
         padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        groups = [] if self.sliding_window else cascade_groups(tables)
         return DecodeBatch(padded, self._tensor(lens),
-                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, width))
+                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, width),
+                           torch.tensor(groups, dtype=torch.long) if groups else None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -75,8 +79,13 @@ class ModelRunner:
         if not sched.scheduled:
             return result
         bs = self.block_size
-        # Decodes first, longest context first: groups of similar length are contiguous runs.
-        items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
+        # Decodes first. For the native kernel, those sharing their first block next to each other (a
+        # cascade shares their leading blocks); else longest context first: groups of similar length
+        # are contiguous runs.
+        if self.native_decode:
+            items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, it.block_table[:1], -it.start))
+        else:
+            items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
