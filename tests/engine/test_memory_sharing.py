@@ -174,3 +174,36 @@ def test_kv_cache_stats_and_reset(llama_path):
     st = llm.kv_cache_stats()
     assert st.cached_blocks >= 1 and st.free_blocks == 64 and st.in_use_blocks == 0
     assert llm.reset_prefix_cache() is True and llm.kv_cache_stats().cached_blocks == 0
+
+
+def test_decodes_sharing_a_prefix_attend_it_once_with_the_same_results(checkpoints, monkeypatch):
+    """A cached system prompt and forked samples (n = 2) put decodes that share their first blocks in
+    one step: the model runner hands those runs to the attention kernel (cascade), which reads the
+    shared blocks once for the run. Tokens and logprobs are those of each decode reading its own."""
+    import pagellm.worker.model_runner as model_runner
+
+    path = checkpoints["llama-hd64"]  # head_dim 64: the kernel's bfloat16 path
+    prompts = shared_prefix_prompts(5, 70, 9) + shared_prefix_prompts(3, 40, 20, seed=3)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=256, num_kv_blocks=128, enable_prefix_caching=True)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+              SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=1)]
+    found = []
+
+    def recorded(tables):
+        groups = model_runner.cascade_groups.__wrapped__(tables)
+        found.extend(groups)
+        return groups
+
+    recorded.__wrapped__ = model_runner.cascade_groups
+    results = {}
+    for cascade in (True, False):
+        monkeypatch.setattr(model_runner, "cascade_groups", recorded if cascade else (lambda tables: []))
+        llm.reset_prefix_cache()
+        results[cascade] = [[(c.token_ids, c.logprobs) for c in out.outputs]
+                            for p in params for out in llm.generate(prompts, p, use_tqdm=False)]
+        monkeypatch.undo()
+    # Runs of up to 5 decodes sharing the 4 full blocks of the 70-token prompt, or the 2 of the 40.
+    assert found and max(end - begin for begin, end, _ in found) >= 5
+    assert {shared for _, _, shared in found} >= {4, 2}
+    assert results[True] == results[False]
+    assert_all_blocks_free(llm)

@@ -109,6 +109,71 @@ def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads, lens):
         assert torch.equal(dot, portable)
 
 
+def _shared_prefix_pools(lens, prefixes, kv_heads, head_dim, seed=0):
+    """bfloat16 pools (block_size 16) and block tables: sequence i starts with blocks base..base+count-1
+    for prefixes[i] = (base, count) < 32 (count 0: none), then blocks of its own."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 32 + sum(-(-n // 16) for n in lens)
+    k_cache = torch.randn(num_blocks, kv_heads, head_dim, 16, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    own = iter(range(32, num_blocks))
+    tables = [list(range(base, base + k)) + [next(own) for _ in range(-(-n // 16) - k)]
+              for n, (base, k) in zip(lens, prefixes)]
+    return k_cache, v_cache, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (14, 2), (8, 1)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_heads, threads):
+    """Decodes sharing their first blocks read those blocks once for the run: the same output, to the
+    bit, as each sequence reading them itself. Runs: 5 sequences (more than one pass of 4 rows) sharing
+    the 2 blocks all of them hold (the fourth wholly inside them, the others sharing 10), 2 sharing 10,
+    2 sharing 3 of 3 and 4; a loner."""
+    from pagellm.model.attention import cascade_groups
+
+    lens = [170, 200, 161, 32, 175, 300, 500, 60, 70, 40]
+    prefixes = [(0, 10), (0, 10), (0, 10), (0, 2), (0, 10), (10, 10), (10, 10), (20, 3), (20, 4), (0, 0)]
+    k16, v16, tables = _shared_prefix_pools(lens, prefixes, kv_heads, head_dim)
+    groups = cascade_groups(tables)
+    assert groups == [(0, 5, 2), (5, 7, 10), (7, 9, 3)]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # strided, as the model passes it
+    scratch = native.scratch_for(heads, head_dim, 16, width)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5)
+        together = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5,
+                                                 cascade=torch.tensor(groups))
+        windowed = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5,
+                                                 window=50, cascade=torch.tensor(groups))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
+    # A window skips the cascade (the shared blocks may lie before it): the plain windowed result.
+    want = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5, window=50)
+    assert torch.equal(windowed, want)
+    for i, n in enumerate(lens):  # and it is attention
+        keys = k16[padded[i, : -(-n // 16)]].permute(0, 3, 1, 2).reshape(-1, kv_heads, head_dim)[:n]
+        values = v16[padded[i, : -(-n // 16)]].reshape(-1, kv_heads, head_dim)[:n]
+        ref = _reference(q[i : i + 1].double(), keys.double(), values.double(), [n - 1], None, head_dim**-0.5)
+        torch.testing.assert_close(together[i].double(), ref[0], atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_cascade_is_refused_in_a_wrong_shape():
+    k16, v16, tables = _shared_prefix_pools([40, 40], [(0, 2), (0, 2)], 2, 64)
+    padded, q = torch.tensor(tables), torch.randn(2, 2, 64).to(torch.bfloat16)
+    scratch = native.scratch_for(2, 64, 16, 3)
+    with pytest.raises(ValueError, match="cascade must be a contiguous"):
+        native.paged_decode_attention(q, k16, v16, padded, torch.tensor([40, 40]), scratch, 0.125,
+                                      cascade=torch.tensor([0, 2, 2]))
+
+
 @needs_kernel
 def test_large_scores_do_not_overflow():
     """Scores far apart (one key dominates) give a one-hot softmax, not inf or NaN."""
