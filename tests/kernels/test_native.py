@@ -130,14 +130,15 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
     """Decodes sharing their first blocks read those blocks once for the run: the same output, to the
     bit, as each sequence reading them itself. Runs: 5 sequences (more than one pass of 4 rows) sharing
     the 2 blocks all of them hold (the fourth wholly inside them, the others sharing 10), 2 sharing 10,
-    2 sharing 3 of 3 and 4; a loner."""
+    2 sharing 3 of 3 and 4, a loner, 18 sharing 2."""
     from pagellm.model.attention import cascade_groups
 
-    lens = [170, 200, 161, 32, 175, 300, 500, 60, 70, 40]
+    lens = [170, 200, 161, 32, 175, 300, 500, 60, 70, 40] + [40 + 9 * i for i in range(18)]
     prefixes = [(0, 10), (0, 10), (0, 10), (0, 2), (0, 10), (10, 10), (10, 10), (20, 3), (20, 4), (0, 0)]
+    prefixes += [(24, 2)] * 18  # more sequences than the kernel takes at a time (16)
     k16, v16, tables = _shared_prefix_pools(lens, prefixes, kv_heads, head_dim)
     groups = cascade_groups(tables)
-    assert groups == [(0, 5, 2), (5, 7, 10), (7, 9, 3)]
+    assert groups == [(0, 5, 2), (5, 7, 10), (7, 9, 3), (10, 28, 2)]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
