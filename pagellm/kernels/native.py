@@ -317,10 +317,20 @@ def paged_decode_attention(
         out = torch.empty(q.shape, dtype=dtype)
     elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)}")
-    if cascade is not None and (cascade.dtype != torch.int64 or cascade.dim() != 2 or cascade.shape[1] != 3
-                                or not cascade.is_contiguous()):
-        raise ValueError(f"cascade must be a contiguous (groups, 3) int64 tensor, got {cascade.dtype} "
-                         f"{tuple(cascade.shape)}")
+    if cascade is not None:
+        if (cascade.dtype != torch.int64 or cascade.dim() != 2 or cascade.shape[1] != 3
+                or not cascade.is_contiguous()):
+            raise ValueError(f"cascade must be a contiguous (groups, 3) int64 tensor, got {cascade.dtype} "
+                             f"{tuple(cascade.shape)}")
+        # The kernel reads the shared blocks of each run through its first table: they must exist for
+        # every member (that the members' tables hold the same ids there is the caller's to ensure).
+        begin, end, shared = cascade.unbind(1)
+        blocks = (lens + block_size - 1) // block_size
+        if cascade.numel() and (bool((begin < 0).any()) or bool((end <= begin).any()) or bool((end > num_seqs).any())
+                                or bool((begin[1:] < end[:-1]).any()) or bool((shared < 1).any())
+                                or any(int(s) > int(blocks[b:e].min()) for b, e, s in cascade.tolist())):
+            raise ValueError(f"cascade rows must be ordered, disjoint runs (begin, end, shared) of the {num_seqs} "
+                             f"sequences sharing 1 <= shared <= their blocks; got {cascade.tolist()}")
     load().pagellm_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),

@@ -166,13 +166,39 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
 
 
 @needs_kernel
-def test_cascade_is_refused_in_a_wrong_shape():
-    k16, v16, tables = _shared_prefix_pools([40, 40], [(0, 2), (0, 2)], 2, 64)
-    padded, q = torch.tensor(tables), torch.randn(2, 2, 64).to(torch.bfloat16)
-    scratch = native.scratch_for(2, 64, 16, 3)
-    with pytest.raises(ValueError, match="cascade must be a contiguous"):
-        native.paged_decode_attention(q, k16, v16, padded, torch.tensor([40, 40]), scratch, 0.125,
-                                      cascade=torch.tensor([0, 2, 2]))
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than sequences, the work split by KV head
+def test_cascade_of_two_sequences(threads):
+    k16, v16, tables = _shared_prefix_pools([40, 75], [(0, 2), (0, 2)], 2, 64)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q, lens = torch.randn(2, 6, 64).to(torch.bfloat16), torch.tensor([40, 75])
+    scratch = native.scratch_for(6, 64, 16, width)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = native.paged_decode_attention(q, k16, v16, padded, lens, scratch, 0.125)
+        together = native.paged_decode_attention(q, k16, v16, padded, lens, scratch, 0.125,
+                                                 cascade=torch.tensor([[0, 2, 2]]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cascade,match", [
+    ([0, 2, 2], "cascade must be a contiguous"),
+    ([[0, 2, 4]], "1 <= shared <= their blocks"),  # the first sequence has 3 blocks
+    ([[1, 3, 1]], "disjoint runs"),  # past the last sequence
+    ([[0, 2, 0]], "disjoint runs"),
+])
+def test_cascade_is_refused_when_it_does_not_fit_the_batch(cascade, match):
+    k16, v16, tables = _shared_prefix_pools([40, 75], [(0, 2), (0, 2)], 2, 64)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q, scratch = torch.randn(2, 2, 64).to(torch.bfloat16), native.scratch_for(2, 64, 16, width)
+    with pytest.raises(ValueError, match=match):
+        native.paged_decode_attention(q, k16, v16, padded, torch.tensor([40, 75]), scratch, 0.125,
+                                      cascade=torch.tensor(cascade))
 
 
 @needs_kernel
