@@ -494,12 +494,12 @@ static void cascade_shared_dot(const uint16_t *q, int64_t q_stride, const uint16
 /* Whether attention (decode and prefill) on bfloat16 pools uses the bfloat16 dot products where they
  * were compiled in (1, the default) or the portable paths (0; decode then gives the float32 path's
  * bits). Process-wide and read without synchronisation: set it only while no kernel runs (tests
- * compare both). Returns the previous setting, or -1 where the CPU (or compiler) has no such
- * instructions. */
+ * compare both; enable < 0 only asks). Returns the previous setting, or -1 where the CPU (or compiler)
+ * has no such instructions. */
 int pagellm_bf16_dot_products(int enable) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int before = use_dot_products;
-    use_dot_products = enable != 0;
+    if (enable >= 0) use_dot_products = enable != 0;
     return before;
 #else
     (void)enable;

@@ -170,6 +170,13 @@ def prefill_supported(k_cache: torch.Tensor) -> bool:
     return block_size == 16 and head_dim in (64, 128) and supports(k_cache.device, k_cache.dtype)
 
 
+def cascade_supported(k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` reads blocks shared by several decodes once (its ``cascade``):
+    bfloat16 pools of block_size 16 and head_dim 64 or 128, on the CPU's bfloat16 dot products."""
+    return (k_cache.dtype == torch.bfloat16 and prefill_supported(k_cache)
+            and load().pagellm_bf16_dot_products(-1) > 0)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # (q_len, num_heads, head_dim): heads contiguous, any stride between tokens
     k_cache: torch.Tensor,

@@ -34,6 +34,9 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.native_decode = native.supports(device, cache_engine.kv_caches[0][1].dtype)
         self.native_prefill = native.prefill_supported(cache_engine.kv_caches[0][0])
+        # Decodes sharing their first blocks read them once (no sliding window: the shared blocks may
+        # lie before it).
+        self.cascade = native.cascade_supported(cache_engine.kv_caches[0][0]) and not sliding_window
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
@@ -63,7 +66,7 @@ class ModelRunner:
         decodes sharing leading blocks (adjacent: see ``execute``) attend those once (cascade)."""
         width = max(len(t) for t in tables)
         padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
-        groups = [] if self.sliding_window else cascade_groups(tables)
+        groups = cascade_groups(tables) if self.cascade else []
         return DecodeBatch(padded, self._tensor(lens),
                            native.scratch_for(self.num_heads, self.head_dim, self.block_size, width),
                            torch.tensor(groups, dtype=torch.long) if groups else None)
@@ -82,7 +85,7 @@ class ModelRunner:
         # Decodes first. For the native kernel, those sharing their first block next to each other (a
         # cascade shares their leading blocks); else longest context first: groups of similar length
         # are contiguous runs.
-        if self.native_decode:
+        if self.cascade:
             items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, it.block_table[:1], -it.start))
         else:
             items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))

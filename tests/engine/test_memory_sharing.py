@@ -7,6 +7,7 @@ import torch
 
 from pagellm import LLM, BeamSearchParams, EngineArgs, LLMEngine, SamplingParams
 from pagellm.core.sequence import child_seed
+from pagellm.kernels import native
 from tests.helpers import assert_all_blocks_free, hf_model, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -176,6 +177,8 @@ def test_kv_cache_stats_and_reset(llama_path):
     assert llm.reset_prefix_cache() is True and llm.kv_cache_stats().cached_blocks == 0
 
 
+@pytest.mark.skipif(not native.cascade_supported(torch.empty(1, 1, 64, 16, dtype=torch.bfloat16)),
+                    reason="cascade attention needs the native kernels with the bfloat16 dot products")
 def test_decodes_sharing_a_prefix_attend_it_once_with_the_same_results(checkpoints, monkeypatch):
     """A cached system prompt and forked samples (n = 2) put decodes that share their first blocks in
     one step: the model runner hands those runs to the attention kernel (cascade), which reads the
