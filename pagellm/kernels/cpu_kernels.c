@@ -362,7 +362,7 @@ DEFINE_CASCADE_BLOCK_DOT(128)
 /* One work item (sequence s, KV heads h_lo..h_hi) of decode attention on bfloat16 pools with the dot
  * products, in two stages: DECODE_SCORES scores the keys of blocks from..nb-1 and takes the softmax
  * over all of b0..nb-1 (zeroing the outputs), DECODE_VALUES weighs the values of blocks from..nb-1 and
- * stores the outputs. A sequence alone runs both from b0; one in a cascade group runs each from its
+ * stores the outputs. A sequence alone runs both from b0; one in a cascade run runs each from its
  * first own block, the group's shared blocks done between the two stages (below). scores: num_heads
  * rows `stride` floats apart; pairs: num_heads rows stride / 2 pairs apart; acc: num_heads rows of
  * head_dim. */
@@ -431,16 +431,18 @@ static void decode_item_dot(const uint16_t *q, const uint16_t *k_pool, const uin
 }
 
 /* ---- Cascade: decodes that share their first blocks (a cached prompt prefix, forked samples) would
- * each read those blocks again at every step, one query at a time. A group's shared blocks are read
- * once instead (FlashInfer's shared-prefix batch decoding): their keys scored and their values weighed
- * for up to 4 of the group's queries per pass (score_rows_dot, weigh_rows_dot), between the two stages
- * of each sequence's own item. Every row's sums run in the order decode_item_dot runs them: the
+ * each read those blocks again at every step, one query at a time. A run of such decodes reads its
+ * shared blocks once instead (FlashInfer's shared-prefix batch decoding): their keys scored and their
+ * values weighed for up to 4 of the run's queries per pass (score_rows_dot, weigh_rows_dot), between the
+ * two stages of each sequence's own item. Every row's sums run in the order decode_item_dot runs them: the
  * outputs are the bits each sequence gets alone. */
 
-/* The shared blocks 0..shared-1 of a group of n sequences, KV head h: their keys scored into the
- * sequences' score rows (values == 0), or their values weighed into the outputs (values == 1). scores,
- * pairs, acc: the group's first sequence's rows (stride, stride / 2 and head_dim apart; each next
- * sequence num_heads rows on); qbuf: n * head_dim / 2 words. */
+/* The shared blocks 0..shared-1 of n <= CASCADE_TILE sequences of a run, KV head h: their keys scored
+ * into the sequences' score rows (values == 0), or their values weighed into the outputs (values == 1),
+ * each block used for 4 sequences per pass (2 for the values at head_dim 128, whose 4 rows would not fit
+ * in the vector registers) while the n sequences' rows stay in L1. scores, pairs, acc: the first
+ * sequence's rows (stride, stride / 2 and head_dim apart; each next sequence num_heads rows on); qbuf:
+ * n * head_dim / 2 words. */
 #define CASCADE_TILE 16
 static void cascade_shared_dot(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
                                const int64_t *table, int64_t n, int64_t shared, int64_t h, int64_t groups,
@@ -448,41 +450,40 @@ static void cascade_shared_dot(const uint16_t *q, int64_t q_stride, const uint16
                                float *acc, int64_t stride, uint32_t *qbuf, int values) {
     const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
     const int64_t num_heads = groups * num_kv_heads, half = head_dim / 2;
+    const int64_t per_pass = values && head_dim == 128 ? 2 : 4;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t hq = h * groups + g;
-        if (!values) /* this query head of every sequence of the group, as contiguous pairs */
+        if (!values) /* this query head of each sequence, as contiguous pairs */
             for (int64_t i = 0; i < n; i++)
                 memcpy(qbuf + i * half, q + i * q_stride + hq * head_dim, (size_t)head_dim * sizeof(uint16_t));
-        /* CASCADE_TILE sequences at a time over all the blocks: their rows stay in L1 while each
-         * block serves 4 of them per pass (the values 1.5x as fast as taking every sequence for each
-         * block in turn, measured at 64 sequences). */
-        for (int64_t i0 = 0; i0 < n; i0 += CASCADE_TILE) {
-            for (int64_t b = 0; b < shared; b++) {
-                const int64_t next = b + 1 < shared && g == 0 && i0 == 0 ? table[b + 1] * block_elems : -1;
-                for (int64_t i = i0; i < n && i < i0 + CASCADE_TILE; i += 4) {
-                    const int64_t rows = n - i < 4 ? n - i : 4;
-                    if (!values) {
-                        if (i == i0 && next >= 0) prefetch(k_pool, next + h * head_elems, head_elems, PAGELLM_BF16);
-                        const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
-                        float *dst = scores + (i * num_heads + hq) * stride + b * 16;
-                        if (head_dim == 64) {
-                            score_rows_dot_64(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
-                        } else {
-                            score_rows_dot_128(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
-                        }
+        for (int64_t b = 0; b < shared; b++) {
+            const int64_t next = b + 1 < shared && g == 0 ? table[b + 1] * block_elems : -1;
+            if (!values) {
+                if (next >= 0) prefetch(k_pool, next + h * head_elems, head_elems, PAGELLM_BF16);
+                const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+                for (int64_t i = 0; i < n; i += per_pass) {
+                    const int64_t rows = n - i < per_pass ? n - i : per_pass;
+                    float *dst = scores + (i * num_heads + hq) * stride + b * 16;
+                    if (head_dim == 64) {
+                        score_rows_dot_64(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
                     } else {
-                        for (int64_t t = 0; t < 16 && next >= 0 && i == i0; t++)
-                            prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, PAGELLM_BF16);
-                        const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
-                        const uint32_t *p = pairs + (i * num_heads + hq) * (stride / 2) + b * 8;
-                        float *o = acc + (i * num_heads + hq) * head_dim;
-                        if (head_dim == 64) {
-                            weigh_rows_dot_64(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
-                                              num_heads * head_dim);
-                        } else {
-                            weigh_rows_dot_128(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
-                                               num_heads * head_dim);
-                        }
+                        score_rows_dot_128(kb, qbuf + i * half, rows, scale, dst, num_heads * stride);
+                    }
+                }
+            } else {
+                for (int64_t t = 0; t < 16 && next >= 0; t++)
+                    prefetch(v_pool, next + (t * num_kv_heads + h) * head_dim, head_dim, PAGELLM_BF16);
+                const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
+                for (int64_t i = 0; i < n; i += per_pass) {
+                    const int64_t rows = n - i < per_pass ? n - i : per_pass;
+                    const uint32_t *p = pairs + (i * num_heads + hq) * (stride / 2) + b * 8;
+                    float *o = acc + (i * num_heads + hq) * head_dim;
+                    if (head_dim == 64) {
+                        weigh_rows_dot_64(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
+                                          num_heads * head_dim);
+                    } else {
+                        weigh_rows_dot_128(vb, num_kv_heads * head_dim, p, num_heads * stride / 2, rows, o,
+                                           num_heads * head_dim);
                     }
                 }
             }
@@ -531,44 +532,66 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
     const int64_t block_elems = num_kv_heads * head_elems;  /* one block, all KV heads */
     const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
     const int vector_bf16 = dtype == PAGELLM_BF16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
-    /* A cascade's members keep their score, probability and output rows between the stages: each
-     * sequence's shared block count (0: not in a group), its rows, and each thread's query buffer. */
-    int64_t *shared = NULL;
+    /* A cascade's members keep their score, probability and output rows between the stages: member[s],
+     * each sequence's place among the members (-1: none), its shared block count, their rows, the
+     * work items of the shared blocks (a run's CASCADE_TILE sequences and one KV head each: first
+     * member, count, shared blocks), and each thread's query buffer. */
+    int64_t *member = NULL, *shared = NULL, *tiles = NULL, num_tiles = 0, members = 0;
     float *c_scores = NULL, *c_acc = NULL;
     uint32_t *c_pairs = NULL, *c_q = NULL;
     const int64_t c_stride = max_blocks * 16;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (num_cascade > 0 && vector_bf16 && use_dot_products && window <= 0) {
-        shared = calloc((size_t)num_seqs, sizeof(int64_t));
-        c_scores = malloc((size_t)(num_seqs * num_heads * c_stride) * sizeof(float));
-        c_pairs = malloc((size_t)(num_seqs * num_heads * c_stride / 2) * sizeof(uint32_t));
-        c_acc = malloc((size_t)(num_seqs * num_heads * head_dim) * sizeof(float));
-        c_q = malloc((size_t)(num_threads * num_seqs * head_dim / 2) * sizeof(uint32_t));
-        if (shared == NULL || c_scores == NULL || c_pairs == NULL || c_acc == NULL || c_q == NULL) {
-            free(shared); /* without the memory every sequence reads its own blocks: the same result */
-            shared = NULL;
+        for (int64_t c = 0; c < num_cascade; c++) {
+            members += cascade[3 * c + 1] - cascade[3 * c];
+            num_tiles += (cascade[3 * c + 1] - cascade[3 * c] + CASCADE_TILE - 1) / CASCADE_TILE;
+        }
+        member = malloc((size_t)num_seqs * sizeof(int64_t));
+        shared = malloc((size_t)num_seqs * sizeof(int64_t));
+        tiles = malloc((size_t)(3 * num_tiles) * sizeof(int64_t));
+        c_scores = malloc((size_t)(members * num_heads * c_stride) * sizeof(float));
+        c_pairs = malloc((size_t)(members * num_heads * c_stride / 2) * sizeof(uint32_t));
+        c_acc = malloc((size_t)(members * num_heads * head_dim) * sizeof(float));
+        c_q = malloc((size_t)(num_threads * CASCADE_TILE * head_dim / 2) * sizeof(uint32_t));
+        if (member == NULL || shared == NULL || tiles == NULL || c_scores == NULL || c_pairs == NULL || c_acc == NULL ||
+            c_q == NULL) {
+            free(member); /* without the memory every sequence reads its own blocks: the same result */
+            member = NULL;
         } else {
-            for (int64_t c = 0; c < num_cascade; c++)
-                for (int64_t s = cascade[3 * c]; s < cascade[3 * c + 1]; s++) shared[s] = cascade[3 * c + 2];
+            for (int64_t s = 0; s < num_seqs; s++) member[s] = -1, shared[s] = 0;
+            int64_t m = 0, t = 0;
+            for (int64_t c = 0; c < num_cascade; c++) {
+                const int64_t begin = cascade[3 * c], end = cascade[3 * c + 1];
+                for (int64_t s = begin; s < end; s++) member[s] = m + s - begin, shared[s] = cascade[3 * c + 2];
+                for (int64_t i = begin; i < end; i += CASCADE_TILE, t++) {
+                    tiles[3 * t] = i;
+                    tiles[3 * t + 1] = end - i < CASCADE_TILE ? end - i : CASCADE_TILE;
+                    tiles[3 * t + 2] = cascade[3 * c + 2];
+                }
+                m += end - begin;
+            }
         }
     }
 #else
     (void)cascade;
     (void)num_cascade;
 #endif
+#define MEMBER_SCORES(s) (c_scores + member[s] * num_heads * c_stride)
+#define MEMBER_PAIRS(s) (c_pairs + member[s] * num_heads * c_stride / 2)
+#define MEMBER_ACC(s) (c_acc + member[s] * num_heads * head_dim)
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if (shared != NULL) { /* the groups' shared keys, one KV head of one group an item */
-            uint32_t *qbuf = c_q + omp_get_thread_num() * num_seqs * head_dim / 2;
+        if (member != NULL) { /* the shared blocks' keys; an item: one tile of a run, one KV head */
+            uint32_t *qbuf = c_q + omp_get_thread_num() * CASCADE_TILE * head_dim / 2;
+            /* (a KV head's tiles one after the other: its blocks are still in cache for the next) */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_cascade * num_kv_heads; item++) {
-                const int64_t *c = cascade + 3 * (item / num_kv_heads), begin = c[0];
-                cascade_shared_dot((const uint16_t *)q + begin * q_stride, q_stride, k_pool, v_pool,
-                                   tables + begin * max_blocks, c[1] - begin, c[2], item % num_kv_heads, groups,
-                                   num_kv_heads, head_dim, scale, c_scores + begin * num_heads * c_stride,
-                                   c_pairs + begin * num_heads * c_stride / 2, c_acc + begin * num_heads * head_dim,
-                                   c_stride, qbuf, 0);
+            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) {
+                const int64_t *tile = tiles + 3 * (item % num_tiles), first = tile[0];
+                cascade_shared_dot((const uint16_t *)q + first * q_stride, q_stride, k_pool, v_pool,
+                                   tables + first * max_blocks, tile[1], tile[2], item / num_tiles, groups,
+                                   num_kv_heads, head_dim, scale, MEMBER_SCORES(first), MEMBER_PAIRS(first),
+                                   MEMBER_ACC(first), c_stride, qbuf, 0);
             }
         }
 #endif
@@ -598,11 +621,10 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             const int64_t out_offset = (s * num_heads + q_lo) * head_dim;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (vector_bf16 && use_dot_products) {
-                if (shared != NULL && shared[s] > 0) { /* its own keys, then the softmax over all */
+                if (member != NULL && member[s] >= 0) { /* its own keys, then the softmax over all */
                     decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
                                     (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
-                                    head_dim, 0, nb, 0, len, scale, c_scores + s * num_heads * c_stride,
-                                    c_pairs + s * num_heads * c_stride / 2, c_acc + s * num_heads * head_dim,
+                                    head_dim, 0, nb, 0, len, scale, MEMBER_SCORES(s), MEMBER_PAIRS(s), MEMBER_ACC(s),
                                     c_stride, shared[s], DECODE_SCORES);
                 } else {
                     decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
@@ -677,31 +699,34 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             store_floats(out, out_offset, q_elems, dtype, acc + q_lo * head_dim);
         }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if (shared != NULL) { /* the groups' shared values, then each member's own and its outputs */
+        if (member != NULL) { /* the shared blocks' values, then each member's own and its outputs */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_cascade * num_kv_heads; item++) {
-                const int64_t *c = cascade + 3 * (item / num_kv_heads), begin = c[0];
-                cascade_shared_dot((const uint16_t *)q + begin * q_stride, q_stride, k_pool, v_pool,
-                                   tables + begin * max_blocks, c[1] - begin, c[2], item % num_kv_heads, groups,
-                                   num_kv_heads, head_dim, scale, c_scores + begin * num_heads * c_stride,
-                                   c_pairs + begin * num_heads * c_stride / 2, c_acc + begin * num_heads * head_dim,
-                                   c_stride, NULL, 1);
+            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) {
+                const int64_t *tile = tiles + 3 * (item % num_tiles), first = tile[0];
+                cascade_shared_dot((const uint16_t *)q + first * q_stride, q_stride, k_pool, v_pool,
+                                   tables + first * max_blocks, tile[1], tile[2], item / num_tiles, groups,
+                                   num_kv_heads, head_dim, scale, MEMBER_SCORES(first), MEMBER_PAIRS(first),
+                                   MEMBER_ACC(first), c_stride, NULL, 1);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < num_seqs * head_chunks; item++) {
                 const int64_t s = item / head_chunks;
-                if (shared[s] == 0) continue;
+                if (member[s] < 0) continue;
                 const int64_t h_lo = item % head_chunks * chunk, nb = (lens[s] + 15) / 16;
                 decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, tables + s * max_blocks,
                                 (uint16_t *)out + s * num_heads * head_dim, h_lo, h_lo + chunk, groups, num_kv_heads,
-                                head_dim, 0, nb, 0, lens[s], scale, c_scores + s * num_heads * c_stride,
-                                c_pairs + s * num_heads * c_stride / 2, c_acc + s * num_heads * head_dim, c_stride,
-                                shared[s], DECODE_VALUES);
+                                head_dim, 0, nb, 0, lens[s], scale, MEMBER_SCORES(s), MEMBER_PAIRS(s), MEMBER_ACC(s),
+                                c_stride, shared[s], DECODE_VALUES);
             }
         }
 #endif
     }
+#undef MEMBER_SCORES
+#undef MEMBER_PAIRS
+#undef MEMBER_ACC
+    free(member);
     free(shared);
+    free(tiles);
     free(c_scores);
     free(c_pairs);
     free(c_acc);

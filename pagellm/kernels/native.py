@@ -306,7 +306,7 @@ def paged_decode_attention(
     """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in the
     cache's dtype: ``out`` when it is given (contiguous, that shape and dtype). Block ids and lengths are
     the engine's (each length >= 1 and covered by its row of ``tables``); shapes are checked here.
-    ``cascade``: (groups, 3) int64 rows (begin, end, shared), as ``attention.cascade_groups`` finds
+    ``cascade``: (runs, 3) int64 rows (begin, end, shared), as ``attention.cascade_runs`` finds
     them: sequences ``begin..end-1`` hold the same first ``shared`` blocks, read once for the run
     (bfloat16 pools with the dot products and no window; elsewhere each sequence reads them itself).
     The output is the same bits with or without it."""
@@ -327,17 +327,16 @@ def paged_decode_attention(
     if cascade is not None:
         if (cascade.dtype != torch.int64 or cascade.dim() != 2 or cascade.shape[1] != 3
                 or not cascade.is_contiguous()):
-            raise ValueError(f"cascade must be a contiguous (groups, 3) int64 tensor, got {cascade.dtype} "
+            raise ValueError(f"cascade must be a contiguous (runs, 3) int64 tensor, got {cascade.dtype} "
                              f"{tuple(cascade.shape)}")
         # The kernel reads the shared blocks of each run through its first table: they must exist for
         # every member (that the members' tables hold the same ids there is the caller's to ensure).
-        begin, end, shared = cascade.unbind(1)
-        blocks = (lens + block_size - 1) // block_size
-        if cascade.numel() and (bool((begin < 0).any()) or bool((end <= begin).any()) or bool((end > num_seqs).any())
-                                or bool((begin[1:] < end[:-1]).any()) or bool((shared < 1).any())
-                                or any(int(s) > int(blocks[b:e].min()) for b, e, s in cascade.tolist())):
-            raise ValueError(f"cascade rows must be ordered, disjoint runs (begin, end, shared) of the {num_seqs} "
-                             f"sequences sharing 1 <= shared <= their blocks; got {cascade.tolist()}")
+        runs, lengths, done = cascade.tolist(), lens.tolist(), 0
+        for begin, end, shared in runs:
+            if not (done <= begin < end <= num_seqs and 1 <= shared <= -(-min(lengths[begin:end]) // block_size)):
+                raise ValueError(f"cascade rows must be ordered, disjoint runs (begin, end, shared) of the "
+                                 f"{num_seqs} sequences sharing 1 <= shared <= their blocks; got {runs}")
+            done = end
     load().pagellm_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),

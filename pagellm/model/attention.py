@@ -69,8 +69,8 @@ class DecodeBatch:
     tables: torch.Tensor  # (num, max_blocks) int64 block ids, padded with any valid id
     lens: torch.Tensor  # (num,) int64 context lengths
     scratch: torch.Tensor  # the kernel's working memory, shared by every layer
-    # (groups, 3) int64 (begin, end, shared): runs of decodes whose leading blocks are the same, attended
-    # once for the run (cascade attention, see native.paged_decode_attention); None: no such runs
+    # (runs, 3) int64 (begin, end, shared): runs of decodes whose first blocks are the same, read once
+    # for the run (cascade attention, see native.paged_decode_attention); None: no such runs
     cascade: Optional[torch.Tensor] = None
 
     @property
@@ -95,12 +95,12 @@ class AttentionMetadata:
 BAG_MIN_BLOCK_SIZE = 8
 
 
-def cascade_groups(tables: list[list[int]]) -> list[tuple[int, int, int]]:
+def cascade_runs(tables: list[list[int]]) -> list[tuple[int, int, int]]:
     """Runs of consecutive decodes whose block tables start with the same blocks (a cached prompt
     prefix, forked samples), as ``(begin, end, shared)``: decodes ``begin..end-1`` (two or more) hold
     the same first ``shared`` (>= 1) blocks. Decodes sharing a prefix must be adjacent (sorted by their
     first block) to be found."""
-    groups = []
+    runs = []
     begin = 0
     while begin < len(tables):
         end = begin + 1
@@ -113,9 +113,9 @@ def cascade_groups(tables: list[list[int]]) -> list[tuple[int, int, int]]:
             low, high = min(run), max(run)
             shared = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), min(len(low), len(high)))
             if shared:
-                groups.append((begin, end, shared))
+                runs.append((begin, end, shared))
         begin = end
-    return groups
+    return runs
 
 
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,

@@ -118,6 +118,7 @@ class NativeDecoder:
             rows, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter, self.block_size,
             d.tables.shape[1], meta.sliding_window or 0, self.eps, self.scale,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), d.tables.data_ptr(), d.lens.data_ptr(),
+            # (runs from attention.cascade_runs, which the kernel trusts; paged_decode_attention checks them)
             None if d.cascade is None else d.cascade.data_ptr(), 0 if d.cascade is None else d.cascade.shape[0],
             self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr(), scratch.data_ptr(), normed.data_ptr(),
             qkv.data_ptr(), attention.data_ptr(), act.data_ptr())

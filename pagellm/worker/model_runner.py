@@ -9,7 +9,7 @@ import torch
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
-from pagellm.model.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, cascade_groups,
+from pagellm.model.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, cascade_runs,
                                      decode_group)
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
@@ -66,10 +66,10 @@ class ModelRunner:
         decodes sharing leading blocks (adjacent: see ``execute``) attend those once (cascade)."""
         width = max(len(t) for t in tables)
         padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
-        groups = cascade_groups(tables) if self.cascade else []
+        runs = cascade_runs(tables) if self.cascade else []
         return DecodeBatch(padded, self._tensor(lens),
                            native.scratch_for(self.num_heads, self.head_dim, self.block_size, width),
-                           torch.tensor(groups, dtype=torch.long) if groups else None)
+                           torch.tensor(runs, dtype=torch.long) if runs else None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -190,17 +190,22 @@ def test_decodes_sharing_a_prefix_attend_it_once_with_the_same_results(checkpoin
     llm = LLM(str(path), dtype="bfloat16", max_model_len=256, num_kv_blocks=128, enable_prefix_caching=True)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
               SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, logprobs=1)]
-    found = []
+    real_runs, real_layers = model_runner.cascade_runs, native.decode_layers
+    found, reached = [], []
 
     def recorded(tables):
-        groups = model_runner.cascade_groups.__wrapped__(tables)
-        found.extend(groups)
-        return groups
+        runs = real_runs(tables)
+        found.extend(runs)
+        return runs
 
-    recorded.__wrapped__ = model_runner.cascade_groups
+    def layers(layer_weights, step, *args):  # what the native decode step hands the kernel
+        reached.append(step.num_cascade)
+        return real_layers(layer_weights, step, *args)
+
     results = {}
     for cascade in (True, False):
-        monkeypatch.setattr(model_runner, "cascade_groups", recorded if cascade else (lambda tables: []))
+        monkeypatch.setattr(model_runner, "cascade_runs", recorded if cascade else (lambda tables: []))
+        monkeypatch.setattr(native, "decode_layers", layers)
         llm.reset_prefix_cache()
         results[cascade] = [[(c.token_ids, c.logprobs) for c in out.outputs]
                             for p in params for out in llm.generate(prompts, p, use_tqdm=False)]
@@ -208,5 +213,6 @@ def test_decodes_sharing_a_prefix_attend_it_once_with_the_same_results(checkpoin
     # Runs of up to 5 decodes sharing the 4 full blocks of the 70-token prompt, or the 2 of the 40.
     assert found and max(end - begin for begin, end, _ in found) >= 5
     assert {shared for _, _, shared in found} >= {4, 2}
+    assert max(reached) >= 1  # and the native decode steps passed them on
     assert results[True] == results[False]
     assert_all_blocks_free(llm)

@@ -109,6 +109,16 @@ def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads, lens):
         assert torch.equal(dot, portable)
 
 
+# Where the kernel ignores a cascade (no bfloat16 dot products) these tests would compare a path with itself.
+needs_cascade = pytest.mark.skipif(not native.cascade_supported(torch.empty(1, 1, 64, 16, dtype=torch.bfloat16)),
+                                   reason="cascade attention needs the bfloat16 dot products")
+
+
+def _padded(tables):
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
 def _shared_prefix_pools(lens, prefixes, kv_heads, head_dim, seed=0):
     """bfloat16 pools (block_size 16) and block tables: sequence i starts with blocks base..base+count-1
     for prefixes[i] = (base, count) < 32 (count 0: none), then blocks of its own."""
@@ -122,7 +132,7 @@ def _shared_prefix_pools(lens, prefixes, kv_heads, head_dim, seed=0):
     return k_cache, v_cache, tables
 
 
-@needs_kernel
+@needs_cascade
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -131,16 +141,16 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
     bit, as each sequence reading them itself. Runs: 5 sequences (more than one pass of 4 rows) sharing
     the 2 blocks all of them hold (the fourth wholly inside them, the others sharing 10), 2 sharing 10,
     2 sharing 3 of 3 and 4, a loner, 18 sharing 2."""
-    from pagellm.model.attention import cascade_groups
+    from pagellm.model.attention import cascade_runs
 
     lens = [170, 200, 161, 32, 175, 300, 500, 60, 70, 40] + [40 + 9 * i for i in range(18)]
     prefixes = [(0, 10), (0, 10), (0, 10), (0, 2), (0, 10), (10, 10), (10, 10), (20, 3), (20, 4), (0, 0)]
     prefixes += [(24, 2)] * 18  # more sequences than the kernel takes at a time (16)
     k16, v16, tables = _shared_prefix_pools(lens, prefixes, kv_heads, head_dim)
-    groups = cascade_groups(tables)
-    assert groups == [(0, 5, 2), (5, 7, 10), (7, 9, 3), (10, 28, 2)]
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    runs = cascade_runs(tables)
+    assert runs == [(0, 5, 2), (5, 7, 10), (7, 9, 3), (10, 28, 2)]
+    padded = _padded(tables)
+    width = padded.shape[1]
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
     q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)  # strided, as the model passes it
     scratch = native.scratch_for(heads, head_dim, 16, width)
@@ -149,9 +159,9 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
     try:
         alone = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5)
         together = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5,
-                                                 cascade=torch.tensor(groups))
+                                                 cascade=torch.tensor(runs))
         windowed = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, head_dim**-0.5,
-                                                 window=50, cascade=torch.tensor(groups))
+                                                 window=50, cascade=torch.tensor(runs))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(together, alone)
@@ -165,19 +175,21 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
         torch.testing.assert_close(together[i].double(), ref[0], atol=2e-2, rtol=2e-2)
 
 
-@needs_kernel
-@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than sequences, the work split by KV head
-def test_cascade_of_two_sequences(threads):
-    k16, v16, tables = _shared_prefix_pools([40, 75], [(0, 2), (0, 2)], 2, 64)
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q, lens = torch.randn(2, 6, 64).to(torch.bfloat16), torch.tensor([40, 75])
-    scratch = native.scratch_for(6, 64, 16, width)
+@needs_cascade
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("threads", [1, 4])  # 4: more threads than sequences, the work split by KV head
+def test_cascade_of_two_sequences_and_a_loner(head_dim, threads):
+    """The first sequence lies wholly inside the 2 shared blocks, its last one partly filled."""
+    lens = [27, 75, 50]
+    k16, v16, tables = _shared_prefix_pools(lens, [(0, 2), (0, 2), (2, 2)], 2, head_dim)
+    padded = _padded(tables)
+    q = torch.randn(3, 6, head_dim).to(torch.bfloat16)
+    scratch = native.scratch_for(6, head_dim, 16, padded.shape[1])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = native.paged_decode_attention(q, k16, v16, padded, lens, scratch, 0.125)
-        together = native.paged_decode_attention(q, k16, v16, padded, lens, scratch, 0.125,
+        alone = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, 0.125)
+        together = native.paged_decode_attention(q, k16, v16, padded, torch.tensor(lens), scratch, 0.125,
                                                  cascade=torch.tensor([[0, 2, 2]]))
     finally:
         torch.set_num_threads(before)
@@ -193,9 +205,8 @@ def test_cascade_of_two_sequences(threads):
 ])
 def test_cascade_is_refused_when_it_does_not_fit_the_batch(cascade, match):
     k16, v16, tables = _shared_prefix_pools([40, 75], [(0, 2), (0, 2)], 2, 64)
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q, scratch = torch.randn(2, 2, 64).to(torch.bfloat16), native.scratch_for(2, 64, 16, width)
+    padded = _padded(tables)
+    q, scratch = torch.randn(2, 2, 64).to(torch.bfloat16), native.scratch_for(2, 64, 16, padded.shape[1])
     with pytest.raises(ValueError, match=match):
         native.paged_decode_attention(q, k16, v16, padded, torch.tensor([40, 75]), scratch, 0.125,
                                       cascade=torch.tensor(cascade))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagellm.model.attention import (
-    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_groups, decode_group, paged_attention, write_kv,
+    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, decode_group, paged_attention, write_kv,
 )
 from pagellm.kernels import native
 from pagellm.worker.cache_engine import kv_shapes
@@ -108,8 +108,8 @@ def test_write_kv_stores_each_token_at_its_slot(dtype, path, num_tokens, monkeyp
     assert int((k_cache != 0).sum()) == int((k != 0).sum())  # nothing written elsewhere
 
 
-def test_cascade_groups_are_adjacent_runs_and_what_all_their_tables_start_with():
+def test_cascade_runs_are_adjacent_runs_and_what_all_their_tables_start_with():
     tables = [[7, 8, 9, 1], [7, 8, 9], [7, 8, 2], [5, 6], [3, 4], [5, 6, 10], [11], [11, 12]]
     # 7-8-9-1 / 7-8-9 / 7-8-2 share 7, 8; the 5-6 tables are not adjacent; 11 is all of the first table.
-    assert cascade_groups(tables) == [(0, 3, 2), (6, 8, 1)]
-    assert cascade_groups([[1, 2], [3, 4]]) == [] and cascade_groups([[1, 2]]) == [] and cascade_groups([]) == []
+    assert cascade_runs(tables) == [(0, 3, 2), (6, 8, 1)]
+    assert cascade_runs([[1, 2], [3, 4]]) == [] and cascade_runs([[1, 2]]) == [] and cascade_runs([]) == []
