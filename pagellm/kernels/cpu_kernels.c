@@ -187,17 +187,21 @@ static inline __attribute__((always_inline)) void weigh16_bf16(const uint16_t *v
     for (int g = 0; g < ng; g++) memcpy(acc + g * hd, o[g], hd * sizeof(float));
 }
 
+/* CALL(n) for n (1 to MAX, MAX 2 or 4) with n a constant in each call: the inlined kernel then keeps
+ * its n rows' sums in vector registers. */
+#define WITH_CONSTANT_ROWS(n, MAX, CALL)                                                                 \
+    switch (n) {                                                                                         \
+    case 1: CALL(1); break;                                                                              \
+    case 2: CALL(2); break;                                                                              \
+    case 3: CALL(3); break;                                                                              \
+    default: CALL(MAX); break;                                                                           \
+    }
+
 /* Runs CALL(n) for each chunk of n <= CHUNK query heads of a KV head, starting at head g (in scope
- * in CALL), with n a constant in each call: the inlined kernel then keeps its n heads' scores or
- * outputs in vector registers. */
+ * in CALL). */
 #define FOR_HEAD_CHUNKS(groups, CHUNK, CALL)                                                             \
     for (int64_t g = 0; g < (groups); g += (CHUNK)) {                                                    \
-        switch ((groups) - g < (CHUNK) ? (groups) - g : (CHUNK)) {                                       \
-        case 1: CALL(1); break;                                                                          \
-        case 2: CALL(2); break;                                                                          \
-        case 3: CALL(3); break;                                                                          \
-        default: CALL(CHUNK); break;                                                                     \
-        }                                                                                                \
+        WITH_CONSTANT_ROWS((groups) - g < (CHUNK) ? (groups) - g : (CHUNK), CHUNK, CALL)                  \
     }
 
 /* Chunks of 4 query heads for the scores; for the outputs 4 at head_dim 64 (16 vectors), 2 at 128. */
@@ -338,22 +342,12 @@ DEFINE_DECODE_BLOCK_DOT(128, 2)
     static void score_rows_dot_##HD(const uint16_t *keys, const uint32_t *q, int64_t n, float scale,      \
                                     float *scores, int64_t stride) {                                     \
         const int hd = HD;                                                                               \
-        switch (n) {                                                                                     \
-        case 1: SCORE_ROWS(1); break;                                                                    \
-        case 2: SCORE_ROWS(2); break;                                                                    \
-        case 3: SCORE_ROWS(3); break;                                                                    \
-        default: SCORE_ROWS(4); break;                                                                   \
-        }                                                                                                \
+        WITH_CONSTANT_ROWS(n, 4, SCORE_ROWS)                                                             \
     }                                                                                                    \
     static void weigh_rows_dot_##HD(const uint16_t *values, int64_t row_stride, const uint32_t *p,        \
                                     int64_t p_stride, int64_t n, float *acc, int64_t acc_stride) {       \
         const int hd = HD;                                                                               \
-        switch (n) {                                                                                     \
-        case 1: WEIGH_ROWS(1); break;                                                                    \
-        case 2: WEIGH_ROWS(2); break;                                                                    \
-        case 3: WEIGH_ROWS(3); break;                                                                    \
-        default: WEIGH_ROWS(4); break;                                                                   \
-        }                                                                                                \
+        WITH_CONSTANT_ROWS(n, 4, WEIGH_ROWS)                                                             \
     }
 
 DEFINE_CASCADE_BLOCK_DOT(64)
