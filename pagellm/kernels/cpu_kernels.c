@@ -573,20 +573,29 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
 #define MEMBER_SCORES(s) (c_scores + member[s] * num_heads * c_stride)
 #define MEMBER_PAIRS(s) (c_pairs + member[s] * num_heads * c_stride / 2)
 #define MEMBER_ACC(s) (c_acc + member[s] * num_heads * head_dim)
+/* The shared blocks of one item (a tile of a run, one KV head; a head's tiles one after the other, so
+ * that its blocks are still in cache for the next): keys (qbuf given) or values (qbuf NULL). */
+#define SHARED_ITEM(item, qbuf)                                                                          \
+    do {                                                                                                 \
+        const int64_t *tile = tiles + 3 * ((item) % num_tiles), first = tile[0];                         \
+        cascade_shared_dot((const uint16_t *)q + first * q_stride, q_stride, k_pool, v_pool,             \
+                           tables + first * max_blocks, tile[1], tile[2], (item) / num_tiles, groups,    \
+                           num_kv_heads, head_dim, scale, MEMBER_SCORES(first), MEMBER_PAIRS(first),     \
+                           MEMBER_ACC(first), c_stride, (qbuf), (qbuf) == NULL);                         \
+    } while (0)
+/* A member's own blocks, KV heads h_lo..h_hi: one stage of decode_item_dot (see there). */
+#define MEMBER_ITEM(s, h_lo, h_hi, stage)                                                                \
+    decode_item_dot((const uint16_t *)q + (s) * q_stride, k_pool, v_pool, tables + (s) * max_blocks,     \
+                    (uint16_t *)out + (s) * num_heads * head_dim, (h_lo), (h_hi), groups, num_kv_heads,   \
+                    head_dim, 0, (lens[s] + 15) / 16, 0, lens[s], scale, MEMBER_SCORES(s), MEMBER_PAIRS(s), \
+                    MEMBER_ACC(s), c_stride, shared[s], (stage))
 #pragma omp parallel num_threads(num_threads)
     {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-        if (member != NULL) { /* the shared blocks' keys; an item: one tile of a run, one KV head */
+        if (member != NULL) { /* the shared blocks' keys */
             uint32_t *qbuf = c_q + omp_get_thread_num() * CASCADE_TILE * head_dim / 2;
-            /* (a KV head's tiles one after the other: its blocks are still in cache for the next) */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) {
-                const int64_t *tile = tiles + 3 * (item % num_tiles), first = tile[0];
-                cascade_shared_dot((const uint16_t *)q + first * q_stride, q_stride, k_pool, v_pool,
-                                   tables + first * max_blocks, tile[1], tile[2], item / num_tiles, groups,
-                                   num_kv_heads, head_dim, scale, MEMBER_SCORES(first), MEMBER_PAIRS(first),
-                                   MEMBER_ACC(first), c_stride, qbuf, 0);
-            }
+            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) SHARED_ITEM(item, qbuf);
         }
 #endif
         float *qf = scratch + omp_get_thread_num() * per_thread; /* scaled queries, all heads */
@@ -616,10 +625,7 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (vector_bf16 && use_dot_products) {
                 if (member != NULL && member[s] >= 0) { /* its own keys, then the softmax over all */
-                    decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
-                                    (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
-                                    head_dim, 0, nb, 0, len, scale, MEMBER_SCORES(s), MEMBER_PAIRS(s), MEMBER_ACC(s),
-                                    c_stride, shared[s], DECODE_SCORES);
+                    MEMBER_ITEM(s, h_lo, h_hi, DECODE_SCORES);
                 } else {
                     decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, table,
                                     (uint16_t *)out + s * num_heads * head_dim, h_lo, h_hi, groups, num_kv_heads,
@@ -695,22 +701,11 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if (member != NULL) { /* the shared blocks' values, then each member's own and its outputs */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) {
-                const int64_t *tile = tiles + 3 * (item % num_tiles), first = tile[0];
-                cascade_shared_dot((const uint16_t *)q + first * q_stride, q_stride, k_pool, v_pool,
-                                   tables + first * max_blocks, tile[1], tile[2], item / num_tiles, groups,
-                                   num_kv_heads, head_dim, scale, MEMBER_SCORES(first), MEMBER_PAIRS(first),
-                                   MEMBER_ACC(first), c_stride, NULL, 1);
-            }
+            for (int64_t item = 0; item < num_tiles * num_kv_heads; item++) SHARED_ITEM(item, NULL);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < num_seqs * head_chunks; item++) {
-                const int64_t s = item / head_chunks;
-                if (member[s] < 0) continue;
-                const int64_t h_lo = item % head_chunks * chunk, nb = (lens[s] + 15) / 16;
-                decode_item_dot((const uint16_t *)q + s * q_stride, k_pool, v_pool, tables + s * max_blocks,
-                                (uint16_t *)out + s * num_heads * head_dim, h_lo, h_lo + chunk, groups, num_kv_heads,
-                                head_dim, 0, nb, 0, lens[s], scale, MEMBER_SCORES(s), MEMBER_PAIRS(s), MEMBER_ACC(s),
-                                c_stride, shared[s], DECODE_VALUES);
+                const int64_t s = item / head_chunks, h_lo = item % head_chunks * chunk;
+                if (member[s] >= 0) MEMBER_ITEM(s, h_lo, h_lo + chunk, DECODE_VALUES);
             }
         }
 #endif
@@ -718,6 +713,8 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
 #undef MEMBER_SCORES
 #undef MEMBER_PAIRS
 #undef MEMBER_ACC
+#undef SHARED_ITEM
+#undef MEMBER_ITEM
     free(member);
     free(shared);
     free(tiles);
