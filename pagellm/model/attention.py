@@ -21,6 +21,7 @@ it fits the shape (block_size 16, head_dim 64 or 128), else PyTorch's flash kern
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -88,6 +89,50 @@ class AttentionMetadata:
     native_prefill: bool = False  # prefills on the native kernel (CPU, block_size 16, head_dim 64/128)
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
+    # The rows whose final hidden states the step uses; None: every row (see OutputRows).
+    output_rows: Optional["OutputRows"] = None
+
+
+@dataclass
+class OutputRows:
+    """The rows of a step's flat batch whose final hidden states are used (the sampled tokens, the
+    prompt tokens scored for prompt logprobs), for the last layer. Its input norm and K/V projection
+    run on every row, since every new token's K/V is stored; its attention, output projection and
+    MLP only on these rows. Prompt tokens that are neither sampled nor scored (all but the last of a
+    prompt, a whole chunk of a longer one) skip that work, about 9% of a prefill's matmuls on an
+    8-layer model. Each kept row gets the same values it gets in the full batch: every kernel
+    computes a row without looking at the other rows."""
+
+    index: torch.Tensor  # (num_kept,) int64: the kept rows of the flat batch, ascending
+    meta: AttentionMetadata  # the kept rows' own: decodes unchanged, each prefill cut to its kept suffix
+
+
+def output_rows(meta: AttentionMetadata, num_tokens: int, needed: list[int]) -> Optional[OutputRows]:
+    """The rows the last layer must compute so that ``needed`` (flat-batch rows) get their final
+    hidden states: every decode (they come first and are all sampled) and, of each prefill, the rows
+    from its first needed one to its end (a suffix keeps the span a causal run of queries). None
+    where that is every row."""
+    wanted = sorted(needed)
+    num_decodes = meta.prefills[0].q_start if meta.prefills else num_tokens
+    kept = list(range(num_decodes))
+    spans = []
+    for span in meta.prefills:
+        end = span.q_start + span.q_len
+        at = bisect.bisect_left(wanted, span.q_start)
+        if at == len(wanted) or wanted[at] >= end:
+            continue  # a chunk that samples nothing: only its K/V is needed
+        first = wanted[at]
+        spans.append(PrefillSpan(len(kept), end - first, span.context_len, span.block_table))
+        kept.extend(range(first, end))
+    if len(kept) == num_tokens:
+        return None
+    index = torch.tensor(kept, dtype=torch.long, device=meta.slot_mapping.device)
+    slots = meta.slot_mapping[index]
+    own = AttentionMetadata(
+        slot_mapping=slots, slot_blocks=meta.slot_blocks[index], slot_offsets=meta.slot_offsets[index],
+        decode_groups=meta.decode_groups, native_decode=meta.native_decode, native_prefill=meta.native_prefill,
+        prefills=spans, sliding_window=meta.sliding_window)
+    return OutputRows(index, own)
 
 
 # Below this block size, scoring keys in place costs more index memory than the keys themselves
@@ -206,12 +251,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    store: bool = True,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
 
-    Returns (num_tokens, num_heads, head_dim).
+    Returns (num_tokens, num_heads, head_dim). ``store=False``: the new tokens' K/V are already in
+    the pools (the last layer stores every row's, then attends for the kept rows only).
     """
-    write_kv(k, v, k_cache, v_cache, meta)
+    if store:
+        write_kv(k, v, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     window = meta.sliding_window

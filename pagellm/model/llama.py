@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagellm.model.attention import AttentionMetadata, paged_attention
+from pagellm.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.native_decode import NativeDecoder, decode_only
 from pagellm.model.packed_linear import PackedLinear
@@ -45,8 +45,10 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        keep: Optional[OutputRows] = None,
     ) -> torch.Tensor:
+        """Every row's K/V is stored; with ``keep``, only its rows are attended and returned."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         rotated = self.rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
@@ -56,8 +58,13 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if not rotated:
             q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        if keep is None:
+            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            write_kv(k, v, kv_cache[0], kv_cache[1], meta)
+            q, k, v = q[keep.index], k[keep.index], v[keep.index]
+            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False)
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -73,17 +80,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, keep: Optional[OutputRows] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings for the first layer, residual None);
         residual: the running sum of the outputs before it. Each residual addition is fused into the
-        norm after it. Returns (this layer's MLP output, the running sum before it)."""
+        norm after it. Returns (this layer's MLP output, the running sum before it), for the rows of
+        ``keep`` only where given (every row's K/V is still stored)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.self_attn(positions, h, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual[keep.index]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -127,14 +137,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """The final (normed) hidden states of every row, or of ``meta.output_rows``' rows in its order."""
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         decoder = self._native_decoder(kv_caches) if self.use_native_decoder else None
         if decoder is not None and decode_only(meta, x, positions):
             x, residual = decoder(x, positions, meta)  # every layer in one native call
             return self.norm(x, residual)[0]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(positions, x, residual, kv_cache, meta, meta.output_rows if i == last else None)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "LlamaForCausalLM":

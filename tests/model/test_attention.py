@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagellm.model.attention import (
-    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, decode_group, paged_attention, write_kv,
+    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, decode_group, output_rows, paged_attention,
+    write_kv,
 )
 from pagellm.kernels import native
 from pagellm.worker.cache_engine import kv_shapes
@@ -113,3 +114,18 @@ def test_cascade_runs_are_adjacent_runs_and_what_all_their_tables_start_with():
     # 7-8-9-1 / 7-8-9 / 7-8-2 share 7, 8; the 5-6 tables are not adjacent; 11 is all of the first table.
     assert cascade_runs(tables) == [(0, 3, 2), (6, 8, 1)]
     assert cascade_runs([[1, 2], [3, 4]]) == [] and cascade_runs([[1, 2]]) == [] and cascade_runs([]) == []
+
+
+def test_output_rows_keep_every_decode_and_each_prefill_from_its_first_used_row():
+    # Rows: 2 decodes, a 5-token prefill (only its last row sampled), a 4-token chunk that samples
+    # nothing, a 6-token prefill scored from its third row.
+    meta = _meta(list(range(100, 117)), 16)
+    table = torch.tensor([6])
+    meta.prefills = [PrefillSpan(2, 5, 9, table), PrefillSpan(7, 4, 4, table), PrefillSpan(11, 6, 6, table)]
+    kept = output_rows(meta, 17, [0, 1, 6, 13, 14, 15, 16])
+    assert kept.index.tolist() == [0, 1, 6, 13, 14, 15, 16]
+    assert [(s.q_start, s.q_len, s.context_len) for s in kept.meta.prefills] == [(2, 1, 9), (3, 4, 6)]
+    assert kept.meta.slot_mapping.tolist() == [100, 101, 106, 113, 114, 115, 116]
+    assert kept.meta.output_rows is None
+    # Every row used: nothing to cut.
+    assert output_rows(meta, 17, list(range(17))) is None
