@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     per_token = cost.kv_bytes_per_token
     block_bytes = per_token * engine.block_size
     log = engine.step_log or []
-    peak = max(log, key=lambda s: s.kv_blocks_in_use)
+    peak = max(log, key=lambda s: s.kv_blocks_in_use)  # the first step at the high: its stats were taken
+    assert peak.kv_fragmentation is not None and peak.kv_sequences is not None
     # Concurrency at the peak: the sequences that held blocks then.
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens)]
     peak_seqs = max(1, peak.kv_sequences)
