@@ -29,7 +29,7 @@ def main() -> None:
     w = random_workload(64, (64, 512), (32, 256), llm.llm_engine.vocab_size)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in w.output_lens]
     llm.generate(w.prompts[:2], [sp.clone(max_tokens=4) for sp in params[:2]], use_tqdm=False)  # warm-up
-    used_rows = model_runner.output_rows
+    used_rows = model_runner.choose_output_rows
     ways = {"every row": lambda *a: None, "used rows": used_rows}
     totals: dict[str, list[float]] = {k: [] for k in ways}
     prefills: dict[str, list[float]] = {k: [] for k in ways}
@@ -37,7 +37,7 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             for name, choose in ways.items():
-                model_runner.output_rows = choose
+                model_runner.choose_output_rows = choose
                 llm.reset_prefix_cache()
                 engine = llm.llm_engine
                 engine.step_log = []
@@ -48,7 +48,7 @@ def main() -> None:
                 print(f"last layer on {name}: {totals[name][-1]:.3f} s ({w.output_tokens / totals[name][-1]:.1f} "
                       f"output tok/s), prefill steps {prefills[name][-1]:.3f} s", flush=True)
     finally:
-        model_runner.output_rows = used_rows
+        model_runner.choose_output_rows = used_rows
     same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
                and a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
                for a, b in zip(outputs["every row"], outputs["used rows"]))

@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     block_bytes = per_token * engine.block_size
     log = engine.step_log or []
     peak = max(log, key=lambda s: s.kv_blocks_in_use)  # the first step at the high: its stats were taken
-    assert peak.kv_fragmentation is not None and peak.kv_sequences is not None
+    if peak.kv_fragmentation is None or peak.kv_sequences is None:
+        raise RuntimeError("the step log has no KV statistics at its peak (internal error)")
     # Concurrency at the peak: the sequences that held blocks then.
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens)]
     peak_seqs = max(1, peak.kv_sequences)

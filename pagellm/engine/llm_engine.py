@@ -47,9 +47,9 @@ class StepRecord:
     # read from memory once a step at least; the other sequences may find it in the cache.
     distinct_context_tokens: int = 0
     kv_blocks_in_use: int = 0
-    # Where the blocks in use reach a new high (the memory report's peak): allocated but unused slots /
-    # allocated slots, and the sequences holding blocks, after the step. None elsewhere, where a pass
-    # over every sequence would add ~0.1 ms to each benchmarked step.
+    # Where the blocks in use reach a new high (the first step at the memory report's peak is one):
+    # allocated but unused slots / allocated slots, and the sequences holding blocks, after the step.
+    # None elsewhere, where a pass over every sequence would add ~0.1 ms to each benchmarked step.
     kv_fragmentation: Optional[float] = None
     kv_sequences: Optional[int] = None
 
@@ -164,7 +164,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Set to a list to record a StepRecord per step (benchmarks); None costs nothing.
         self.step_log: Optional[list[StepRecord]] = None
-        self._log_high: tuple[Optional[list[StepRecord]], int] = (None, -1)  # (log, most blocks in use in it)
+        self._log_high = -1  # the most blocks in use after a step of the current step log
         if args.preload_prompts:
             self.preload_prefixes(args.preload_prompts)
 
@@ -463,10 +463,10 @@ class LLMEngine:
         if self.step_log is not None:
             record = self.step_log[-1]
             record.kv_blocks_in_use = self.kv_cache_manager.pool.num_used_blocks
-            if self._log_high[0] is not self.step_log:  # a new log
-                self._log_high = (self.step_log, -1)
-            if record.kv_blocks_in_use >= self._log_high[1]:
-                self._log_high = (self.step_log, record.kv_blocks_in_use)
+            if len(self.step_log) == 1:  # a new (or emptied) log
+                self._log_high = -1
+            if record.kv_blocks_in_use > self._log_high:
+                self._log_high = record.kv_blocks_in_use
                 record.kv_fragmentation = self.kv_cache_stats().internal_fragmentation
                 record.kv_sequences = self.kv_cache_manager.num_sequences_with_blocks
         progressed: dict[str, Request] = {}

@@ -22,6 +22,7 @@ it fits the shape (block_size 16, head_dim 64 or 128), else PyTorch's flash kern
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -90,7 +91,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None
     # The rows whose final hidden states the step uses; None: every row (see OutputRows).
-    output_rows: Optional["OutputRows"] = None
+    output_rows: Optional[OutputRows] = None
 
 
 @dataclass
@@ -100,20 +101,28 @@ class OutputRows:
     run on every row, since every new token's K/V is stored; its attention, output projection and
     MLP only on these rows. Prompt tokens that are neither sampled nor scored (all but the last of a
     prompt, a whole chunk of a longer one) skip that work, about 9% of a prefill's matmuls on an
-    8-layer model. Each kept row gets the same values it gets in the full batch: every kernel
-    computes a row without looking at the other rows."""
+    8-layer model. With the native CPU kernels each kept row gets the same bits it gets in the full
+    batch (each computes a row on its own); where attention is PyTorch's (other shapes, other
+    devices) a cut chunk is attended with a mask instead of the causal kernel: the same values to
+    rounding."""
 
-    index: torch.Tensor  # (num_kept,) int64: the kept rows of the flat batch, ascending
+    rows: list[int]  # the kept rows of the flat batch, ascending
+    index: torch.Tensor  # the same, as an int64 tensor on the batch's device
     meta: AttentionMetadata  # the kept rows' own: decodes unchanged, each prefill cut to its kept suffix
 
+    def positions(self, flat_rows: list[int]) -> list[int]:
+        """Where each of ``flat_rows`` (kept rows, repeats allowed) lies among the kept rows."""
+        at = {r: i for i, r in enumerate(self.rows)}
+        return [at[r] for r in flat_rows]
 
-def output_rows(meta: AttentionMetadata, num_tokens: int, needed: list[int]) -> Optional[OutputRows]:
-    """The rows the last layer must compute so that ``needed`` (flat-batch rows) get their final
-    hidden states: every decode (they come first and are all sampled) and, of each prefill, the rows
-    from its first needed one to its end (a suffix keeps the span a causal run of queries). None
-    where that is every row."""
-    wanted = sorted(needed)
-    num_decodes = meta.prefills[0].q_start if meta.prefills else num_tokens
+
+def choose_output_rows(meta: AttentionMetadata, num_tokens: int, num_decodes: int,
+                       needed: list[int]) -> Optional[OutputRows]:
+    """The rows the last layer must compute so that ``needed`` (flat-batch rows, any order, repeats
+    allowed) get their final hidden states: the ``num_decodes`` one-token rows, which the batch puts
+    first (all kept: nearly all are sampled), and, of each prefill, the rows from its first needed
+    one to its end (a suffix keeps the span a causal run of queries). None where that is every row."""
+    wanted = sorted(set(needed))
     kept = list(range(num_decodes))
     spans = []
     for span in meta.prefills:
@@ -127,12 +136,11 @@ def output_rows(meta: AttentionMetadata, num_tokens: int, needed: list[int]) -> 
     if len(kept) == num_tokens:
         return None
     index = torch.tensor(kept, dtype=torch.long, device=meta.slot_mapping.device)
-    slots = meta.slot_mapping[index]
-    own = AttentionMetadata(
-        slot_mapping=slots, slot_blocks=meta.slot_blocks[index], slot_offsets=meta.slot_offsets[index],
-        decode_groups=meta.decode_groups, native_decode=meta.native_decode, native_prefill=meta.native_prefill,
-        prefills=spans, sliding_window=meta.sliding_window)
-    return OutputRows(index, own)
+    # (The kept rows' K/V is already stored: their slots are kept only so that the metadata
+    # describes its own rows.)
+    own = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[index], slot_blocks=meta.slot_blocks[index],
+                              slot_offsets=meta.slot_offsets[index], prefills=spans, output_rows=None)
+    return OutputRows(kept, index, own)
 
 
 # Below this block size, scoring keys in place costs more index memory than the keys themselves

@@ -10,7 +10,7 @@ from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOut
 from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
 from pagellm.model.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, cascade_runs,
-                                     decode_group, output_rows)
+                                     choose_output_rows, decode_group)
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -137,11 +137,10 @@ class ModelRunner:
         # its K/V) on the rows those need.
         rows = sample_rows + lp_rows
         if prefills:
-            meta.output_rows = output_rows(meta, len(input_ids), rows)
+            meta.output_rows = choose_output_rows(meta, len(input_ids), len(decode_tables), rows)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
         if meta.output_rows is not None:
-            position = {r: i for i, r in enumerate(meta.output_rows.index.tolist())}
-            rows = [position[r] for r in rows]
+            rows = meta.output_rows.positions(rows)
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         if sample_seqs:
             for s, res in zip(sample_seqs, self.sampler(logits[: len(sample_seqs)], sample_seqs)):

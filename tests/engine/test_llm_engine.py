@@ -212,7 +212,7 @@ def test_step_log_counts_a_shared_prefix_once_in_the_distinct_kv(llama_path, pre
 
 def test_step_log_takes_the_kv_stats_where_blocks_in_use_reach_a_new_high(llama_path):
     """The memory report reads fragmentation and sequences at the peak step: they are taken there
-    (and at every earlier high), and the peak's figures are those of the cache after that step."""
+    (and at every earlier new high), and the peak's figures are those of the cache after that step."""
     llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=128, block_size=16)
     llm.llm_engine.step_log = []
     prompts = random_prompts([20, 40, 33], vocab=500, seed=4)
@@ -221,10 +221,14 @@ def test_step_log_takes_the_kv_stats_where_blocks_in_use_reach_a_new_high(llama_
     log = llm.llm_engine.step_log
     high = -1
     for record in log:
-        assert (record.kv_fragmentation is not None) == (record.kv_blocks_in_use >= high)
+        assert (record.kv_fragmentation is not None) == (record.kv_blocks_in_use > high)
         high = max(high, record.kv_blocks_in_use)
     peak = max(log, key=lambda s: s.kv_blocks_in_use)
     assert peak.kv_sequences == 3
     # First reached by the prefill step: the prompts' 20 + 40 + 33 tokens in 2 + 3 + 3 blocks of 16.
     assert peak.kv_fragmentation == 1 - (20 + 40 + 33) / (8 * 16)
     assert any(r.kv_fragmentation is None for r in log)  # the shrinking tail is not measured
+    # An emptied log starts its highs again.
+    log.clear()
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert log[0].kv_fragmentation is not None and log[0].kv_sequences == 1

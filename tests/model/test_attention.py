@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagellm.model.attention import (
-    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, decode_group, output_rows, paged_attention,
-    write_kv,
+    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, choose_output_rows, decode_group,
+    paged_attention, write_kv,
 )
 from pagellm.kernels import native
 from pagellm.worker.cache_engine import kv_shapes
@@ -120,12 +120,20 @@ def test_output_rows_keep_every_decode_and_each_prefill_from_its_first_used_row(
     # Rows: 2 decodes, a 5-token prefill (only its last row sampled), a 4-token chunk that samples
     # nothing, a 6-token prefill scored from its third row.
     meta = _meta(list(range(100, 117)), 16)
-    table = torch.tensor([6])
-    meta.prefills = [PrefillSpan(2, 5, 9, table), PrefillSpan(7, 4, 4, table), PrefillSpan(11, 6, 6, table)]
-    kept = output_rows(meta, 17, [0, 1, 6, 13, 14, 15, 16])
-    assert kept.index.tolist() == [0, 1, 6, 13, 14, 15, 16]
+    tables = [torch.tensor([6]), torch.tensor([7]), torch.tensor([8])]
+    meta.prefills = [PrefillSpan(2, 5, 9, tables[0]), PrefillSpan(7, 4, 4, tables[1]), PrefillSpan(11, 6, 6, tables[2])]
+    # Any order, repeats (forks sampling the same row).
+    kept = choose_output_rows(meta, 17, 2, [16, 6, 6, 0, 13, 1, 14, 15])
+    assert kept.rows == kept.index.tolist() == [0, 1, 6, 13, 14, 15, 16]
     assert [(s.q_start, s.q_len, s.context_len) for s in kept.meta.prefills] == [(2, 1, 9), (3, 4, 6)]
+    assert kept.meta.prefills[0].block_table is tables[0] and kept.meta.prefills[1].block_table is tables[2]
     assert kept.meta.slot_mapping.tolist() == [100, 101, 106, 113, 114, 115, 116]
-    assert kept.meta.output_rows is None
+    assert kept.meta.output_rows is None and kept.meta.sliding_window == meta.sliding_window
+    assert kept.positions([16, 6, 6, 0]) == [6, 2, 2, 0]
     # Every row used: nothing to cut.
-    assert output_rows(meta, 17, list(range(17))) is None
+    assert choose_output_rows(meta, 17, 2, list(range(17))) is None
+    # A step holding only a chunk that samples nothing keeps no row.
+    only_chunk = _meta(list(range(4)), 16)
+    only_chunk.prefills = [PrefillSpan(0, 4, 4, tables[1])]
+    empty = choose_output_rows(only_chunk, 4, 0, [])
+    assert empty.rows == [] and empty.index.numel() == 0 and empty.meta.prefills == []
