@@ -3,7 +3,7 @@
 In a step with prompt tokens the last layer stores every token's K/V but runs its attention, output
 projection and MLP only on the rows that are sampled or scored (``OutputRows``). This runs W1 both
 ways on the same engine, alternating (this machine is noisy over minutes), and checks that both give
-the same tokens and cumulative logprobs.
+the same tokens.
 
     python benchmarks/last_layer_rows.py [--model-preset w1-llama|qwen2-0.5b] [--repeats 3]
 """
@@ -49,10 +49,10 @@ def main() -> None:
                       f"output tok/s), prefill steps {prefills[name][-1]:.3f} s", flush=True)
     finally:
         model_runner.choose_output_rows = used_rows
+    # (W1 asks for no logprobs; the tests check that logprobs are the same bits both ways.)
     same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
-               and a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
                for a, b in zip(outputs["every row"], outputs["used rows"]))
-    print(f"same tokens and cumulative logprobs both ways: {same}")
+    print(f"same tokens both ways: {same}")
     for name in ways:
         print(f"median, {name}: {statistics.median(totals[name]):.3f} s, prefill steps "
               f"{statistics.median(prefills[name]):.3f} s")

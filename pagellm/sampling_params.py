@@ -75,6 +75,13 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def scores_samples(self) -> bool:
+        """Whether each sampled token's logprob is computed: where ``logprobs`` asks for it (then
+        ``cumulative_logprob`` is reported, as in vLLM), or ``best_of`` ranks more samples than
+        ``n`` by it."""
+        return self.logprobs is not None or (self.best_of is not None and self.best_of > self.n)
+
+    @property
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop_strings), default=0)
 

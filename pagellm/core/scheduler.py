@@ -89,7 +89,7 @@ class SchedulerOutput:
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float
+    logprob: Optional[float]  # of the unprocessed distribution; None where the request scores nothing
     top_logprobs: Optional[TokenLogprobs] = None
 
 
@@ -361,7 +361,8 @@ class Scheduler:
             for s in (seq, *item.fork_children):
                 sample = result.samples[s.seq_id]
                 s.output_token_ids.append(sample.token_id)
-                s.cumulative_logprob += sample.logprob
+                if sample.logprob is not None:
+                    s.cumulative_logprob += sample.logprob
                 if sample.top_logprobs is not None:
                     s.output_logprobs.append(sample.top_logprobs)
                 times = s.request.metrics

@@ -532,7 +532,7 @@ class LLMEngine:
                     index=i,
                     text=seq.text,
                     token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
+                    cumulative_logprob=seq.cumulative_logprob if params.scores_samples else None,
                     logprobs=(self._logprobs(seq.output_logprobs, seq.logprobs_out)  # type: ignore[arg-type]
                               if params.logprobs is not None else None),
                     finish_reason=seq.status.finish_reason,

@@ -1065,9 +1065,10 @@ static inline int takes_over(float v, int64_t i, float m, int64_t idx) {
 
 /* For each row of float32 logits [rows, vocab]: the index of its first maximum (as torch.argmax) and
  * log(sum(exp(row))), in one pass each over the row; rows are spread over the threads. A NaN counts as
- * the maximum (as in torch.argmax); -inf entries add exp(-87), nothing next to the maximum's 1. The sampler
- * needs both every step (greedy token, and its logprob = logit - logsumexp), and PyTorch's argmax and
- * log_softmax each take about a millisecond per 40 x 32000 logits on this kind of CPU. */
+ * the maximum (as in torch.argmax); -inf entries add exp(-87), nothing next to the maximum's 1. lse NULL:
+ * the argmax only. The sampler needs both where a request asks for logprobs (greedy token, and its logprob =
+ * logit - logsumexp), and PyTorch's argmax and log_softmax each take about a millisecond per 40 x 32000
+ * logits on this kind of CPU. */
 void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, /* vocab < 2^31 */ int64_t *argmax, float *lse,
                               int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -1096,8 +1097,9 @@ void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, 
                 m = x[t];
                 idx = t;
             }
+        argmax[r] = idx;
+        if (lse == NULL) continue; /* the argmax alone */
         if (!isfinite(m)) { /* as torch: NaN, +inf, or -inf for a row of -inf */
-            argmax[r] = idx;
             lse[r] = m;
             continue;
         }
@@ -1107,7 +1109,6 @@ void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, 
         float sum = 0.0f;
         for (int j = 0; j < 16; j++) sum += lane_sum[j];
         for (; t < vocab; t++) sum += fast_exp(x[t] - m);
-        argmax[r] = idx;
         lse[r] = m + logf(sum);
     }
 }

@@ -241,18 +241,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return True
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Per row of (rows, vocab) float32 CPU logits: (first argmax, logsumexp), or None where the
-    kernel does not apply (other device or dtype, or no kernel), for the caller's PyTorch path."""
+def argmax_logsumexp(logits: torch.Tensor,
+                     with_lse: bool = True) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Per row of (rows, vocab) float32 CPU logits: (first argmax, logsumexp or None without
+    ``with_lse``), or None where the kernel does not apply (other device or dtype, or no kernel), for
+    the caller's PyTorch path."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or load() is None:
         return None
     logits = logits.contiguous()
     rows, vocab = logits.shape
     idx = torch.empty(rows, dtype=torch.int64)
-    lse = torch.empty(rows, dtype=torch.float32)
+    lse = torch.empty(rows, dtype=torch.float32) if with_lse else None
     if rows and vocab:
-        load().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(), lse.data_ptr(),
-                                        torch.get_num_threads())
+        load().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(),
+                                        None if lse is None else lse.data_ptr(), torch.get_num_threads())
     return idx, lse
 
 

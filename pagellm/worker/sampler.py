@@ -53,13 +53,19 @@ class Sampler:
         params = [s.params for s in seqs]
         if any(_needs_processing(s) for s in seqs):
             logits = self._process(logits.clone(), seqs)
-        # The raw logits' argmax and logsumexp in one pass per row, where the native kernel applies.
-        fast = native.argmax_logsumexp(raw)
+        # Chosen tokens' logprobs only where some request asks for them (as in vLLM): without, a
+        # greedy step needs just the argmax, not a pass of exponentials over every logit.
+        scored = [p.scores_samples for p in params]
+        # The raw logits' argmax (and logsumexp) in one pass per row, where the native kernel applies.
+        fast = native.argmax_logsumexp(raw, with_lse=any(scored))
         greedy = [p.is_greedy for p in params]
         chosen = None if all(greedy) else self._sample(logits, seqs)
         if any(greedy):
             top = fast[0] if fast is not None and logits is raw else logits.argmax(dim=-1)
             chosen = top if chosen is None else torch.where(torch.tensor(greedy, device=logits.device), top, chosen)
+        tokens = chosen.tolist()
+        if not any(scored):
+            return [SampleResult(t, None) for t in tokens]
         # The chosen tokens' logprobs, of the unprocessed distribution.
         if fast is not None:
             lse = fast[1]
@@ -68,8 +74,8 @@ class Sampler:
             # log_softmax + gather: faster on CPU than torch.logsumexp, which makes several passes.
             raw_logprobs = torch.log_softmax(raw, dim=-1)
             chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        tokens = chosen.tolist()
-        results = [SampleResult(t, lp) for t, lp in zip(tokens, chosen_lp)]
+        # (Rows that score nothing get None whatever their neighbours ask: outputs do not depend on the batch.)
+        results = [SampleResult(t, lp if s else None) for t, lp, s in zip(tokens, chosen_lp, scored)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             num = max(params[i].logprobs or 0 for i in want)

@@ -46,8 +46,12 @@ def test_request_output_fields_and_metrics(llm):
     c = out.outputs[0]
     assert isinstance(c, CompletionOutput)
     assert c.index == 0 and c.finish_reason == "length" and c.stop_reason is None
-    assert c.cumulative_logprob is not None and c.cumulative_logprob < 0
     assert c.logprobs is None and out.prompt_logprobs is None
+    assert c.cumulative_logprob is None  # as in vLLM: reported where logprobs are asked for
+    (scored,) = llm.generate(["Hello"], GREEDY.clone(logprobs=0), use_tqdm=False)
+    assert scored.outputs[0].token_ids == c.token_ids
+    chosen = [entry[t].logprob for t, entry in zip(c.token_ids, scored.outputs[0].logprobs)]
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4) and sum(chosen) < 0
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.time_to_first_token >= 0 and m.num_preemptions == 0

@@ -302,6 +302,8 @@ def test_argmax_logsumexp_matches_torch(vocab):
     idx, lse = native.argmax_logsumexp(logits)
     assert idx.tolist() == logits.argmax(dim=-1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-5)
+    alone, none = native.argmax_logsumexp(logits, with_lse=False)  # the argmax pass only
+    assert none is None and torch.equal(alone, idx)
 
 
 def test_argmax_logsumexp_declines_what_it_cannot_do():
@@ -318,6 +320,7 @@ def test_argmax_logsumexp_non_finite_rows_as_torch():
     idx, lse = native.argmax_logsumexp(logits)
     assert idx.tolist() == logits.argmax(dim=-1).tolist() == [5, 30, 0]
     assert torch.isnan(lse[0]) and lse[1] == float("inf") and lse[2] == float("-inf")
+    assert native.argmax_logsumexp(logits, with_lse=False)[0].tolist() == [5, 30, 0]
 
 
 @needs_kernel
@@ -443,11 +446,13 @@ def test_sampler_native_and_pytorch_paths_agree(llama_path, monkeypatch):
         return [o.outputs[0] for o in outs]
 
     fast = run()
-    monkeypatch.setattr(native, "argmax_logsumexp", lambda logits: None)
+    monkeypatch.setattr(native, "argmax_logsumexp", lambda logits, with_lse=True: None)
     slow = run()
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
-        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+        assert (a.cumulative_logprob is None) == (b.cumulative_logprob is None)
+        if a.cumulative_logprob is not None:
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
         if a.logprobs is not None:
             for la, lb in zip(a.logprobs, b.logprobs):
                 assert la.keys() == lb.keys()
