@@ -1443,11 +1443,15 @@ typedef struct {
     const float *cos, *sin;                           /* rotary tables [max_position, head_dim] */
     float *attention_scratch;                         /* num_threads * pagellm_scratch_floats(...) */
     uint16_t *normed, *qkv, *attention, *act;         /* work: rows x hidden, x qkv width, x heads * head_dim, x inter */
+    const uint16_t *final_norm;                       /* the model's last RMSNorm [hidden], or NULL */
+    float final_eps;
 } pagellm_decode_step;
 
 /* x: [rows, hidden] bfloat16, the embeddings in and the last layer's MLP output out; residual:
- * [rows, hidden], the running sum before that output (what DecoderLayer.forward returns). Returns 0,
- * -1 where the linear kernel is not compiled in, -2 without memory. */
+ * [rows, hidden], the running sum before that output (what DecoderLayer.forward returns). With
+ * final_norm, the model's last norm follows: residual becomes the whole sum and x its normed rows
+ * (what the model's forward returns). Returns 0, -1 where the linear kernel is not compiled in, -2
+ * without memory. */
 int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers, const pagellm_decode_step *s,
                           uint16_t *x, uint16_t *residual, int num_threads) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
@@ -1485,5 +1489,8 @@ int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers
                                      num_threads);
         if (status != 0) return status;
     }
+    if (s->final_norm != NULL) /* in place: each row is read before its normed values are stored */
+        pagellm_rms_norm(x, residual, residual, s->final_norm, x, rows, s->hidden, s->final_eps, PAGELLM_BF16,
+                         num_threads);
     return 0;
 }

@@ -522,13 +522,15 @@ class DecodeStep(ctypes.Structure):
         + [(name, ctypes.c_void_p) for name in ("positions", "slots", "tables", "lens", "cascade")]
         + [("num_cascade", ctypes.c_int64)]
         + [(name, ctypes.c_void_p) for name in (
-            "cos", "sin", "attention_scratch", "normed", "qkv", "attention", "act")])
+            "cos", "sin", "attention_scratch", "normed", "qkv", "attention", "act", "final_norm")]
+        + [("final_eps", ctypes.c_float)])
 
 
 def decode_layers(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor) -> None:
     """Every decoder layer of a decode-only step in one native call (pagellm/model/native_decode.py
     builds and checks the arguments): ``x`` (the embeddings) becomes the last layer's MLP output and
-    ``residual`` the running sum before it, as the layers' ``forward`` returns them."""
+    ``residual`` the running sum before it, as the layers' ``forward`` returns them; with the step's
+    ``final_norm``, ``x`` becomes the normed sum of the two and ``residual`` that sum."""
     status = _linear_lib().pagellm_decode_layers(layers, len(layers), ctypes.byref(step), x.data_ptr(),
                                                  residual.data_ptr(), torch.get_num_threads())
     if status == -2:

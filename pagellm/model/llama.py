@@ -141,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         decoder = self._native_decoder(kv_caches) if self.use_native_decoder else None
         if decoder is not None and decode_only(meta, x, positions):
-            x, residual = decoder(x, positions, meta)  # every layer in one native call
-            return self.norm(x, residual)[0]
+            return decoder(x, positions, meta)  # every layer and the last norm in one native call
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

@@ -56,7 +56,9 @@ class NativeDecoder:
                                          *(m.packed_weight for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
                                          *(m.bias for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
                              if t is not None]
-        self.tensors += [self.rotary.cos, self.rotary.sin]
+        self.final_norm = model.norm.weight  # the model's last norm runs in the same call
+        self.final_eps = float(model.norm.eps)
+        self.tensors += [self.rotary.cos, self.rotary.sin, self.final_norm]
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the layer table points into exactly these pools."""
@@ -100,11 +102,15 @@ class NativeDecoder:
             if any(c.dtype != bf16 or not c.is_contiguous() or c.shape != ref.shape
                    for c, ref in ((k_cache, k0), (v_cache, v0))):
                 return None
+        final = model.norm.weight
+        if final.dtype != bf16 or not final.is_contiguous() or final.numel() != hidden:
+            return None
         return cls(model, kv_caches)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's MLP output, residual sum before it) for a decode-only step's embeddings ``x``
-        (rows in the order of ``meta.native_decode``); ``x`` is overwritten."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states (after the model's last norm, as its ``forward`` returns them) for a
+        decode-only step's embeddings ``x`` (rows in the order of ``meta.native_decode``); ``x`` is
+        overwritten and returned."""
         d = meta.native_decode
         rows = x.shape[0]
         scratch = native.scratch_enough(d.scratch, self.heads, self.head_dim, self.block_size, d.tables.shape[1])
@@ -121,11 +127,11 @@ class NativeDecoder:
             # (runs from attention.cascade_runs, which the kernel trusts; paged_decode_attention checks them)
             None if d.cascade is None else d.cascade.data_ptr(), 0 if d.cascade is None else d.cascade.shape[0],
             self.rotary.cos.data_ptr(), self.rotary.sin.data_ptr(), scratch.data_ptr(), normed.data_ptr(),
-            qkv.data_ptr(), attention.data_ptr(), act.data_ptr())
+            qkv.data_ptr(), attention.data_ptr(), act.data_ptr(), self.final_norm.data_ptr(), self.final_eps)
         # Keep every buffer the step points into alive until the call returns.
         native.decode_layers(self.layers, step, x, residual)
-        del normed, qkv, attention, act, scratch
-        return x, residual
+        del normed, qkv, attention, act, scratch, residual
+        return x
 
 
 def decode_only(meta: AttentionMetadata, x: torch.Tensor, positions: torch.Tensor) -> bool:

@@ -141,7 +141,8 @@ class ModelRunner:
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
         if meta.output_rows is not None:
             rows = meta.output_rows.positions(rows)
-        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        # (A decode-only step samples every row once, in order: no gather.)
+        logits = self.model.compute_logits(hidden if rows == list(range(hidden.shape[0])) else hidden[self._tensor(rows)])
         if sample_seqs:
             for s, res in zip(sample_seqs, self.sampler(logits[: len(sample_seqs)], sample_seqs)):
                 result.samples[s.seq_id] = res
