@@ -57,8 +57,8 @@ class Sampler:
         # greedy step needs just the argmax, not a pass of exponentials over every logit.
         scored = [p.scores_samples for p in params]
         # The raw logits' argmax (and logsumexp) in one pass per row, where the native kernel applies.
-        fast = native.argmax_logsumexp(raw, with_lse=any(scored))
         greedy = [p.is_greedy for p in params]
+        fast = native.argmax_logsumexp(raw, with_lse=any(scored)) if any(greedy) or any(scored) else None
         chosen = None if all(greedy) else self._sample(logits, seqs)
         if any(greedy):
             top = fast[0] if fast is not None and logits is raw else logits.argmax(dim=-1)
