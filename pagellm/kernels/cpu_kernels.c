@@ -1341,6 +1341,46 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xffff : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1);
 }
 
+/* A tile's inputs as pairs, pair-major: out[j * rows + r] = pair j of row r (rows <= 16). Each 16 pairs
+ * of the rows are loaded as one vector per row (an odd K's last pair gets a zero: the load stops at K)
+ * and transposed in registers, instead of one word at a time (which cost ~7% of a prefill step). */
+static void pack_tile_pairs(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint32_t *out) {
+    const int64_t pairs = (k + 1) / 2;
+    const __mmask16 row_lanes = (__mmask16)((1u << rows) - 1u);
+    for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+        const int64_t elems = k - 2 * j0; /* elements of each row from pair j0 on */
+        const __mmask32 load = elems >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << elems) - 1u);
+        if (rows == 1) { /* nothing to transpose */
+            _mm512_mask_storeu_epi32(out + j0, lanes_below((elems + 1) / 2), _mm512_maskz_loadu_epi16(load, x + 2 * j0));
+            continue;
+        }
+        __m512i a[16], b[16];
+        for (int r = 0; r < 16; r++)
+            a[r] = r < rows ? _mm512_maskz_loadu_epi16(load, x + r * x_stride + 2 * j0) : _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) { /* within each 128-bit lane: 32-bit words of rows 2i, 2i + 1 interleaved */
+            b[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+            b[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) { /* a[4i + m], lane L: rows 4i..4i+3 of pair 4L + m */
+            a[4 * i] = _mm512_unpacklo_epi64(b[4 * i], b[4 * i + 2]);
+            a[4 * i + 1] = _mm512_unpackhi_epi64(b[4 * i], b[4 * i + 2]);
+            a[4 * i + 2] = _mm512_unpacklo_epi64(b[4 * i + 1], b[4 * i + 3]);
+            a[4 * i + 3] = _mm512_unpackhi_epi64(b[4 * i + 1], b[4 * i + 3]);
+        }
+        for (int m = 0; m < 4; m++) { /* b[4L + m]: pair 4L + m of rows 0..15 */
+            const __m512i d0 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88), d1 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xdd);
+            const __m512i e0 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88), e1 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xdd);
+            b[m] = _mm512_shuffle_i32x4(d0, e0, 0x88);
+            b[8 + m] = _mm512_shuffle_i32x4(d0, e0, 0xdd);
+            b[4 + m] = _mm512_shuffle_i32x4(d1, e1, 0x88);
+            b[12 + m] = _mm512_shuffle_i32x4(d1, e1, 0xdd);
+        }
+        const int64_t n = pairs - j0 < 16 ? pairs - j0 : 16;
+        for (int64_t i = 0; i < n; i++) _mm512_mask_storeu_epi32(out + (j0 + i) * rows, row_lanes, b[i]);
+    }
+}
+
+
 /* The mode is a constant in each copy, so that each compiles as the tile did without the option (with
  * the flag as a variable, alternating A/B runs measured up to 4% slower on a noisy machine). */
 #define LINEAR_TILE_OUT(ROWS, MODE) \
@@ -1380,8 +1420,7 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t r0 = t * small + (t < big ? t : big), rows = small + (t < big);
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < pairs; j++) x_pairs[r0 * pairs + j * rows + r] = bf16_pair(x + (r0 + r) * x_stride, j, k);
+            pack_tile_pairs(x + r0 * x_stride, x_stride, (int)rows, k, x_pairs + r0 * pairs);
         }
         /* Every panel streams the inputs of all its rows: at prefill's M those are taken a chunk of
          * about LINEAR_CHUNK_BYTES at a time (they stay in cache while each panel passes over them). */
