@@ -732,10 +732,11 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
  * float32 once, then scored against TILE_ROWS query rows at a time whose scores and outputs stay in
  * vector registers. Written for block_size 16 (one key block row = one 16-float vector) and head_dim
  * 64 or 128; other shapes use PyTorch's flash kernel. */
-#define PREFILL_TOKENS 16
+#define PREFILL_TOKENS 64     /* query tokens per work item: the K/V blocks it repacks serve 64 tokens' rows */
+#define PREFILL_TOKENS_FEW 16 /* ... or 16 where 64 would leave threads without items (short prompts, many threads) */
 
 /* Query rows (token, query head) of one work item, padded to a multiple of the tile height. */
-static inline int64_t prefill_rows(int64_t groups) { return (PREFILL_TOKENS * groups + 3) / 4 * 4; }
+static inline int64_t prefill_rows(int64_t tokens, int64_t groups) { return (tokens * groups + 3) / 4 * 4; }
 
 /* First key position a query at `pos` attends (causal, within the window if any). */
 static inline int64_t prefill_first_key(int64_t pos, int64_t window) {
@@ -769,7 +770,7 @@ static inline int prefill_tile_lanes(int64_t b, int64_t tile, const int64_t *pos
 }
 
 int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-    const int64_t rows = prefill_rows(num_heads / num_kv_heads);
+    const int64_t rows = prefill_rows(PREFILL_TOKENS, num_heads / num_kv_heads);
     /* queries + outputs, running max and sum, one key block [head_dim][16], one value block [16][head_dim] */
     return 2 * rows * head_dim + 2 * rows + 2 * 16 * head_dim;
 }
@@ -962,9 +963,10 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
     const int64_t groups = num_heads / num_kv_heads;
     const int64_t head_elems = head_dim * block_size;
     const int64_t block_elems = num_kv_heads * head_elems;
-    const int64_t q_blocks = (q_len + PREFILL_TOKENS - 1) / PREFILL_TOKENS;
+    const int64_t tokens = q_len / PREFILL_TOKENS * num_kv_heads >= 4 * num_threads ? PREFILL_TOKENS : PREFILL_TOKENS_FEW;
+    const int64_t q_blocks = (q_len + tokens - 1) / tokens;
     const int64_t per_thread = pagellm_prefill_scratch_floats(num_heads, num_kv_heads, head_dim);
-    const int64_t padded = prefill_rows(groups);
+    const int64_t padded = prefill_rows(tokens, groups);
 #pragma omp parallel num_threads(num_threads)
     {
         float *qf = scratch + omp_get_thread_num() * per_thread; /* [padded][head_dim]: row = token * groups + g */
@@ -976,8 +978,8 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < q_blocks * num_kv_heads; item++) {
             const int64_t h = item % num_kv_heads;
-            const int64_t i0 = item / num_kv_heads * PREFILL_TOKENS;
-            const int64_t i1 = i0 + PREFILL_TOKENS < q_len ? i0 + PREFILL_TOKENS : q_len;
+            const int64_t i0 = item / num_kv_heads * tokens;
+            const int64_t i1 = i0 + tokens < q_len ? i0 + tokens : q_len;
             const int64_t rows = (i1 - i0) * groups;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (dtype == PAGELLM_BF16 && use_dot_products) {

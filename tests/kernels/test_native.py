@@ -404,7 +404,9 @@ def test_silu_and_mul_matches_pytorch(dtype, rows, inter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 2, 64), (4, 1, 64), (14, 2, 64), (6, 2, 128)])
 @pytest.mark.parametrize("cached,new,window", [(0, 37, None), (0, 16, None), (21, 30, None), (40, 9, None),
-                                               (0, 50, 20), (33, 17, 8)])
+                                               (0, 50, 20), (33, 17, 8),
+                                               # long enough for 64-token work items (on 2 threads)
+                                               (0, 300, None), (45, 290, 100)])
 def test_prefill_matches_dense_attention(dtype, heads, kv_heads, head_dim, cached, new, window):
     """A fresh prompt, or a chunk after cached context, attending over the pool through its block table;
     queries come strided out of a fused qkv buffer, as in the model."""
