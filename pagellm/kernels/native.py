@@ -185,9 +185,11 @@ def paged_prefill_attention(
     cached: int,  # tokens before these in the sequence: query i is at position cached + i
     scale: float,
     window: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One sequence's new tokens attending causally over the pool, their own K/V already written there;
-    returns (q_len, num_heads, head_dim) in the cache's dtype. Check ``prefill_supported`` first."""
+    returns (q_len, num_heads, head_dim) in the cache's dtype: ``out`` when it is given (contiguous,
+    that shape and dtype). Check ``prefill_supported`` first."""
     q_len, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     dtype = k_cache.dtype
@@ -199,7 +201,10 @@ def paged_prefill_attention(
     lib = load()
     scratch = torch.empty(threads * lib.pagellm_prefill_scratch_floats(num_heads, num_kv_heads, head_dim),
                           dtype=torch.float32)
-    out = torch.empty(q_len, num_heads, head_dim, dtype=dtype)
+    if out is None:
+        out = torch.empty(q_len, num_heads, head_dim, dtype=dtype)
+    elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(q.shape)}")
     status = lib.pagellm_paged_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), out.data_ptr(),
         q_len, cached, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, DTYPE_CODES[dtype],

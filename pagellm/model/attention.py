@@ -288,8 +288,11 @@ def paged_attention(
         sl = slice(span.q_start, span.q_start + span.q_len)
         cached = span.context_len - span.q_len
         if meta.native_prefill:
-            out[sl] = native.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, cached, scale,
-                                                     window).to(q.dtype)
+            rows = out[sl]  # written in place where the cache has the queries' dtype
+            got = native.paged_prefill_attention(q[sl], k_cache, v_cache, span.block_table, cached, scale, window,
+                                                 out=rows if rows.dtype == k_cache.dtype else None)
+            if got is not rows:
+                rows.copy_(got)
             continue
         if cached == 0 and k_cache.dtype == k.dtype:
             keys, values = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather

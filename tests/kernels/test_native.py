@@ -423,16 +423,29 @@ def test_prefill_matches_dense_attention(dtype, heads, kv_heads, head_dim, cache
         had_dot = native.use_bf16_dot_products(dot)
         try:
             out = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], cached, head_dim**-0.5, window)
+            given = torch.full((new, heads, head_dim), float("nan"), dtype=dtype)
+            into = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], cached, head_dim**-0.5, window,
+                                                  out=given)
         finally:
             if had_dot is not None:
                 native.use_bf16_dot_products(had_dot)
         torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+        assert into is given and torch.equal(given, out)  # written in place: the same values
 
 
 def test_prefill_kernel_shapes():
     pools = [torch.zeros(s) for s in kv_shapes(4, 8, 2, 64)]  # block_size 8: PyTorch's flash kernel
     assert not native.prefill_supported(pools[0])
     assert not native.prefill_supported(torch.zeros(kv_shapes(4, 16, 2, 32)[0]))  # head_dim 32
+
+
+@needs_kernel
+def test_prefill_rejects_an_unfit_output_buffer():
+    k_cache, v_cache, tables, _, _ = _cache_with_history([20], 16, 2, 64, torch.bfloat16)
+    q = torch.randn(20, 2, 64).bfloat16()
+    for bad in (torch.empty(20, 2, 64), torch.empty(19, 2, 64).bfloat16(), torch.empty(20, 64, 2).bfloat16().transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            native.paged_prefill_attention(q, k_cache, v_cache, tables[0], 0, 0.125, out=bad)
 
 
 def test_sampler_native_and_pytorch_paths_agree(llama_path, monkeypatch):
