@@ -769,10 +769,19 @@ static inline int prefill_tile_lanes(int64_t b, int64_t tile, const int64_t *pos
     return any;
 }
 
+#define PREFILL_CHUNK_BLOCKS 16 /* key blocks per softmax update of the dot-product path */
+
+/* Floats of a thread's scratch for the chunk buffers of prefill_item_dot: the chunk's repacked keys
+ * and values, a tile's scores and probabilities, and room to align the vectors to 64 bytes. */
+static inline int64_t prefill_chunk_floats(int64_t head_dim) {
+    return PREFILL_CHUNK_BLOCKS * head_dim * 16 + 4 * PREFILL_CHUNK_BLOCKS * 16 + 4 * PREFILL_CHUNK_BLOCKS * 8 + 16;
+}
+
 int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
     const int64_t rows = prefill_rows(PREFILL_TOKENS, num_heads / num_kv_heads);
-    /* queries + outputs, running max and sum, one key block [head_dim][16], one value block [16][head_dim] */
-    return 2 * rows * head_dim + 2 * rows + 2 * 16 * head_dim;
+    /* queries + outputs, running max and sum, one key block [head_dim][16], one value block [16][head_dim]
+     * (the portable path), the dot-product path's chunk */
+    return 2 * rows * head_dim + 2 * rows + 2 * 16 * head_dim + prefill_chunk_floats(head_dim);
 }
 
 /* TILE_ROWS query rows against one block of 16 keys: scores, online-softmax update, weighted values.
@@ -822,42 +831,82 @@ DEFINE_PREFILL_TILE(64, 4)
 DEFINE_PREFILL_TILE(128, 2)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* The same tile with the bfloat16 dot products (see the decode path), over two consecutive key blocks
- * at once: one online-softmax update per 32 keys instead of per 16 halves the reductions, rescales
- * and accumulator round trips. kp: each block's key rows as HD / 2 pair-permuted rows; vp: each
- * block's values as 8 token pairs x HD / 16 unpacked halves; q: TILE_ROWS rows of HD / 2 bfloat16
- * pairs; acc: TILE_ROWS rows in unpack order; lo/hi: the attended lanes, [block][row]. */
+/* The same attention with the bfloat16 dot products (see the decode path), its softmax taken over up to
+ * PREFILL_CHUNK_BLOCKS key blocks at once: a tile of TILE_ROWS rows scores all its keys of a chunk
+ * (stored, scaled), takes each row's maximum and exponentials over them with one reduction each, and
+ * weighs the chunk's values in one pass with its outputs in registers. (Updating the online softmax
+ * every 32 keys cost ~22% of the kernel in reductions, rescales and output round trips.) Chunks are
+ * aligned to absolute block indices and a row's masked lanes add exact zeros, so a row's result does
+ * not depend on which other rows share its tile or work item. kp: the chunk's blocks, each head_dim / 2
+ * pair-permuted key rows; vp: each block's values as 8 token pairs x head_dim / 16 unpacked halves;
+ * q: TILE_ROWS rows of HD / 2 bfloat16 pairs; acc: TILE_ROWS rows in unpack order; pos/first: each row's
+ * position and first attended key (padding rows: -1 and 0); blocks tb0..tb1-1 (absolute; the chunk
+ * starts at block cb); scores: TILE_ROWS rows of PREFILL_CHUNK_BLOCKS * 16 floats; probs: TILE_ROWS rows
+ * of PREFILL_CHUNK_BLOCKS * 8 pairs. */
+
+/* Lanes of key block b that a row at `pos` attending from key `first` reads. */
+static inline __mmask16 prefill_live(int64_t b, int64_t pos, int64_t first) {
+    const int64_t l = first > b * 16 ? first - b * 16 : 0;
+    const int64_t h = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
+    return h > l ? (__mmask16)(((1u << h) - 1u) & ~((1u << l) - 1u)) : (__mmask16)0;
+}
+
 #define DEFINE_PREFILL_TILE_DOT(HD, TILE_ROWS)                                                              \
-    static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, const uint32_t *q, float scale, \
-                                       float *acc, float *run_max, float *run_sum, const int64_t *lo,        \
-                                       const int64_t *hi) {                                                  \
-        __m512 s[2][TILE_ROWS];                                                                          \
-        for (int r = 0; r < TILE_ROWS; r++) s[0][r] = s[1][r] = _mm512_setzero_ps();                     \
-        for (int i = 0; i < HD / 2; i++)                                                                 \
-            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
-                const __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i]);                 \
-                s[0][r] = _mm512_dpbf16_ps(s[0][r], (__m512bh)kp[i], qi);                                \
-                s[1][r] = _mm512_dpbf16_ps(s[1][r], (__m512bh)kp[HD / 2 + i], qi);                       \
-            }                                                                                            \
+    static void prefill_tile_dot_##HD(const __m512i *kp, const __m512i *vp, int64_t cb, int64_t tb0,       \
+                                       int64_t tb1, const uint32_t *q, float scale, float *acc,             \
+                                       float *run_max, float *run_sum, const int64_t *pos,                  \
+                                       const int64_t *first, float *scores, uint32_t *probs) {              \
+        const int64_t sw = PREFILL_CHUNK_BLOCKS * 16, pw = PREFILL_CHUNK_BLOCKS * 8;                        \
+        int64_t b = tb0;                                                                                 \
+        for (; b + 1 < tb1; b += 2) { /* two blocks at a time: 2 x TILE_ROWS independent sums */         \
+            const __m512i *k0 = kp + (b - cb) * (HD / 2), *k1 = k0 + HD / 2;                             \
+            __m512 s[2][TILE_ROWS];                                                                      \
+            for (int r = 0; r < TILE_ROWS; r++) s[0][r] = s[1][r] = _mm512_setzero_ps();                 \
+            for (int i = 0; i < HD / 2; i++)                                                             \
+                for (int r = 0; r < TILE_ROWS; r++) {                                                    \
+                    const __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i]);             \
+                    s[0][r] = _mm512_dpbf16_ps(s[0][r], (__m512bh)k0[i], qi);                            \
+                    s[1][r] = _mm512_dpbf16_ps(s[1][r], (__m512bh)k1[i], qi);                            \
+                }                                                                                        \
+            for (int r = 0; r < TILE_ROWS; r++)                                                          \
+                for (int k = 0; k < 2; k++)                                                              \
+                    _mm512_storeu_ps(scores + r * sw + (b + k - tb0) * 16,                               \
+                                     _mm512_mul_ps(s[k][r], _mm512_set1_ps(scale)));                     \
+        }                                                                                                \
+        if (b < tb1) { /* an odd last block */                                                           \
+            const __m512i *k0 = kp + (b - cb) * (HD / 2);                                                \
+            __m512 s[TILE_ROWS];                                                                         \
+            for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_setzero_ps();                              \
+            for (int i = 0; i < HD / 2; i++)                                                             \
+                for (int r = 0; r < TILE_ROWS; r++)                                                      \
+                    s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)k0[i],                                       \
+                                            (__m512bh)_mm512_set1_epi32((int)q[r * HD / 2 + i]));        \
+            for (int r = 0; r < TILE_ROWS; r++)                                                          \
+                _mm512_storeu_ps(scores + r * sw + (b - tb0) * 16, _mm512_mul_ps(s[r], _mm512_set1_ps(scale))); \
+        }                                                                                                \
         float rescale[TILE_ROWS];                                                                        \
-        uint32_t pairs[2][TILE_ROWS][8];                                                                 \
         for (int r = 0; r < TILE_ROWS; r++) {                                                            \
-            __mmask16 live[2];                                                                           \
-            __m512 sc[2], top = _mm512_set1_ps(-INFINITY);                                               \
-            for (int k = 0; k < 2; k++) {                                                                \
-                const int64_t l = lo[k * TILE_ROWS + r], h = hi[k * TILE_ROWS + r];                      \
-                live[k] = (__mmask16)(((1u << h) - 1u) & ~((1u << l) - 1u));                             \
-                sc[k] = _mm512_mul_ps(s[k][r], _mm512_set1_ps(scale));                                   \
-                top = _mm512_mask_max_ps(top, live[k], top, sc[k]);                                      \
+            const float *sr = scores + r * sw;                                                           \
+            uint32_t *pr = probs + r * pw;                                                               \
+            __m512 top = _mm512_set1_ps(-INFINITY);                                                      \
+            for (int64_t k = tb0; k < tb1; k++)                                                          \
+                top = _mm512_mask_max_ps(top, prefill_live(k, pos[r], first[r]), top,                   \
+                                         _mm512_loadu_ps(sr + (k - tb0) * 16));                          \
+            const float chunk_max = _mm512_reduce_max_ps(top);                                           \
+            if (chunk_max == -INFINITY) { /* nothing of this row here: zero probabilities, no update */  \
+                rescale[r] = 1.0f;                                                                       \
+                for (int64_t k = tb0; k < tb1; k++)                                                      \
+                    _mm256_storeu_si256((__m256i *)(pr + (k - tb0) * 8), _mm256_setzero_si256());        \
+                continue;                                                                                \
             }                                                                                            \
-            const float block_max = _mm512_reduce_max_ps(top);                                           \
-            const float m = block_max > run_max[r] ? block_max : run_max[r];                             \
+            const float m = chunk_max > run_max[r] ? chunk_max : run_max[r];                             \
             rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
             __m512 total = _mm512_setzero_ps();                                                          \
-            for (int k = 0; k < 2; k++) {                                                                \
-                const __m512 p = _mm512_maskz_mov_ps(live[k], exp16(_mm512_sub_ps(sc[k], _mm512_set1_ps(m)))); \
+            for (int64_t k = tb0; k < tb1; k++) {                                                        \
+                const __m512 p = _mm512_maskz_mov_ps(prefill_live(k, pos[r], first[r]),                 \
+                    exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + (k - tb0) * 16), _mm512_set1_ps(m))));      \
                 total = _mm512_add_ps(total, p);                                                         \
-                _mm256_storeu_si256((__m256i *)pairs[k][r], (__m256i)_mm512_cvtneps_pbh(p));             \
+                _mm256_storeu_si256((__m256i *)(pr + (k - tb0) * 8), (__m256i)_mm512_cvtneps_pbh(p));    \
             }                                                                                            \
             run_max[r] = m;                                                                              \
             run_sum[r] = run_sum[r] * rescale[r] + _mm512_reduce_add_ps(total);                          \
@@ -866,13 +915,15 @@ DEFINE_PREFILL_TILE(128, 2)
         for (int r = 0; r < TILE_ROWS; r++)                                                              \
             for (int c = 0; c < HD / 16; c++)                                                            \
                 o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + c * 16), _mm512_set1_ps(rescale[r])); \
-        for (int k = 0; k < 2; k++)                                                                      \
+        for (int64_t k = tb0; k < tb1; k++) {                                                            \
+            const __m512i *v = vp + (k - cb) * 8 * (HD / 16);                                            \
             for (int m = 0; m < 8; m++)                                                                  \
                 for (int r = 0; r < TILE_ROWS; r++) {                                                    \
-                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[k][r][m]);                 \
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)probs[r * pw + (k - tb0) * 8 + m]); \
                     for (int c = 0; c < HD / 16; c++)                                                    \
-                        o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)vp[(k * 8 + m) * (HD / 16) + c], w); \
+                        o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)v[m * (HD / 16) + c], w);           \
                 }                                                                                        \
+        }                                                                                                \
         for (int r = 0; r < TILE_ROWS; r++)                                                              \
             for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(acc + r * HD + c * 16, o[r][c]);          \
     }
@@ -881,12 +932,13 @@ DEFINE_PREFILL_TILE_DOT(64, 4)
 DEFINE_PREFILL_TILE_DOT(128, 2)
 
 /* One work item (query tokens i0..i1 of KV head h) of prefill attention on bfloat16 pools with the dot
- * products; qp, acc: `padded` rows (token * groups + g) of head_dim / 2 pairs and head_dim floats. */
+ * products; qp, acc: `padded` rows (token * groups + g) of head_dim / 2 pairs and head_dim floats;
+ * chunk: prefill_chunk_floats(head_dim) floats. */
 static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t *k_pool, const uint16_t *v_pool,
                              const int64_t *table, uint16_t *out, int64_t i0, int64_t i1, int64_t h, int64_t cached,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
                              float scale, int64_t padded, uint32_t *qp, float *acc, float *run_max,
-                             float *run_sum) {
+                             float *run_sum, float *chunk) {
     const int64_t groups = num_heads / num_kv_heads, tile = head_dim == 64 ? 4 : 2;
     const int64_t head_elems = head_dim * 16, block_elems = num_kv_heads * head_elems;
     const int64_t rows = (i1 - i0) * groups, half = head_dim / 2;
@@ -901,37 +953,43 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
                (size_t)(groups * head_dim) * sizeof(uint16_t));
     int64_t pos[padded], first[padded];
     prefill_row_spans(rows, padded, groups, cached + i0, window, pos, first);
-    /* Two blocks at a time: head_dim / 2 key row pairs, then 8 token pairs x head_dim / 16 value
-     * halves, of each. */
-    __m512i kp[2 * 64], vp[2 * 64];
-    const int64_t b_last = (cached + i1 - 1) / 16;
-    for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= b_last; b += 2) {
-        const int64_t blocks = b + 1 <= b_last ? 2 : 1;
-        if (blocks == 1) /* an odd last block: the second attends nothing, and its zero values add nothing */
-            for (int64_t i = half; i < 2 * half; i++) kp[i] = vp[i] = _mm512_setzero_si512(); /* (both half a block) */
-        for (int64_t k = 0; k < blocks; k++) {
-            const uint16_t *kb = k_pool + table[b + k] * block_elems + h * head_elems;
-            const uint16_t *vb = v_pool + table[b + k] * block_elems + h * head_dim;
-            for (int64_t i = 0; i < half; i++) kp[k * half + i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
+    /* The chunk's blocks: head_dim / 2 key row pairs, then 8 token pairs x head_dim / 16 value halves. */
+    __m512i *kp = (__m512i *)(((uintptr_t)chunk + 63) & ~(uintptr_t)63);
+    __m512i *vp = kp + PREFILL_CHUNK_BLOCKS * half;
+    float *scores = (float *)(vp + PREFILL_CHUNK_BLOCKS * half);
+    uint32_t *probs = (uint32_t *)(scores + 4 * PREFILL_CHUNK_BLOCKS * 16);
+    const int64_t b_first = prefill_first_key(cached + i0, window) / 16, b_last = (cached + i1 - 1) / 16;
+    for (int64_t cb = b_first / PREFILL_CHUNK_BLOCKS * PREFILL_CHUNK_BLOCKS; cb <= b_last; cb += PREFILL_CHUNK_BLOCKS) {
+        const int64_t c0 = cb > b_first ? cb : b_first;
+        const int64_t c1 = cb + PREFILL_CHUNK_BLOCKS <= b_last + 1 ? cb + PREFILL_CHUNK_BLOCKS : b_last + 1;
+        for (int64_t b = c0; b < c1; b++) {
+            const uint16_t *kb = k_pool + table[b] * block_elems + h * head_elems;
+            const uint16_t *vb = v_pool + table[b] * block_elems + h * head_dim;
+            __m512i *kd = kp + (b - cb) * half, *vd = vp + (b - cb) * 8 * (head_dim / 16);
+            for (int64_t i = 0; i < half; i++) kd[i] = pair_key_rows(_mm512_loadu_si512(kb + 32 * i));
             for (int64_t m = 0; m < 8; m++)
                 for (int64_t c = 0; c < head_dim / 32; c++) {
                     const __m512i a = _mm512_loadu_si512(vb + 2 * m * num_kv_heads * head_dim + 32 * c);
                     const __m512i bb = _mm512_loadu_si512(vb + (2 * m + 1) * num_kv_heads * head_dim + 32 * c);
-                    vp[(k * 8 + m) * (head_dim / 16) + 2 * c] = _mm512_unpacklo_epi16(a, bb);
-                    vp[(k * 8 + m) * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
+                    vd[m * (head_dim / 16) + 2 * c] = _mm512_unpacklo_epi16(a, bb);
+                    vd[m * (head_dim / 16) + 2 * c + 1] = _mm512_unpackhi_epi16(a, bb);
                 }
         }
         for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-            int64_t lo[8] = {0}, hi[8] = {0}; /* attended lanes of each block, per tile row: [block][row] */
-            int any = prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi);
-            if (blocks == 2) any |= prefill_tile_lanes(b + 1, tile, pos + r0, first + r0, lo + tile, hi + tile);
-            if (!any) continue;
+            /* the blocks of this chunk that the tile's rows attend */
+            int64_t lo = INT64_MAX, hi = -1;
+            for (int64_t r = r0; r < r0 + tile && r < rows; r++) {
+                lo = first[r] / 16 < lo ? first[r] / 16 : lo;
+                hi = pos[r] / 16 > hi ? pos[r] / 16 : hi;
+            }
+            const int64_t tb0 = lo > c0 ? lo : c0, tb1 = hi + 1 < c1 ? hi + 1 : c1;
+            if (tb0 >= tb1) continue;
             if (head_dim == 64) {
-                prefill_tile_dot_64(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
-                                    run_sum + r0, lo, hi);
+                prefill_tile_dot_64(kp, vp, cb, tb0, tb1, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                    run_sum + r0, pos + r0, first + r0, scores, probs);
             } else {
-                prefill_tile_dot_128(kp, vp, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
-                                     run_sum + r0, lo, hi);
+                prefill_tile_dot_128(kp, vp, cb, tb0, tb1, qp + r0 * half, scale, acc + r0 * head_dim, run_max + r0,
+                                     run_sum + r0, pos + r0, first + r0, scores, probs);
             }
         }
     }
@@ -975,6 +1033,8 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
         float *run_sum = run_max + padded;
         float *keys = run_sum + padded;    /* [head_dim][16] */
         float *values = keys + head_elems; /* [16][head_dim] */
+        float *chunk = values + head_elems;  /* prefill_item_dot's chunk buffers */
+        (void)chunk;                         /* (unused where that path is not compiled in) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < q_blocks * num_kv_heads; item++) {
             const int64_t h = item % num_kv_heads;
@@ -985,7 +1045,7 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
             if (dtype == PAGELLM_BF16 && use_dot_products) {
                 prefill_item_dot(q, q_stride, k_pool, v_pool, table, out, i0, i1, h, cached, num_heads,
                                  num_kv_heads, head_dim, window, scale, padded, (uint32_t *)qf, acc, run_max,
-                                 run_sum);
+                                 run_sum, chunk);
                 continue;
             }
 #endif

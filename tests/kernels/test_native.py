@@ -440,6 +440,21 @@ def test_prefill_kernel_shapes():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (14, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_prefill_row_does_not_depend_on_the_other_rows(heads, kv_heads, head_dim, window):
+    """A query's output is the same bits computed with its whole prompt or in a later chunk of it (other
+    work items, tiles, item sizes; its keys over several softmax chunks): the last layer relies on it to
+    run only the rows it keeps, and chunked prefill to match an unchunked one."""
+    total, split = 600, 267
+    k_cache, v_cache, tables, _, _ = _cache_with_history([total], 16, kv_heads, head_dim, torch.bfloat16)
+    q = torch.randn(total, heads, head_dim).bfloat16()
+    full = native.paged_prefill_attention(q, k_cache, v_cache, tables[0], 0, head_dim**-0.5, window)
+    later = native.paged_prefill_attention(q[split:], k_cache, v_cache, tables[0], split, head_dim**-0.5, window)
+    assert torch.equal(full[split:], later)
+
+
+@needs_kernel
 def test_prefill_rejects_an_unfit_output_buffer():
     k_cache, v_cache, tables, _, _ = _cache_with_history([20], 16, 2, 64, torch.bfloat16)
     q = torch.randn(20, 2, 64).bfloat16()
