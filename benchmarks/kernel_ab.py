@@ -4,10 +4,11 @@ Builds ``pagellm/kernels/cpu_kernels.c`` as it is at ``--base`` (a git revision,
 next to the working tree's. This machine's speed drifts by several percent over seconds, more than
 most kernel changes gain, so whole runs one after the other compare poorly; here the two builds take
 turns within each W1 run, step by step in ABBA order (A B, B A, ...), and each step is compared with
-its neighbour of the same kind (prompt or decode), which has nearly the same batch. It reports each
-build's time over its share of the steps and the paired difference. Beforehand one whole run on each
-checks that both give the same tokens (greedy): where they do not (the builds compute differently, or
-pack weights differently: the engine packs them once, with the working tree's kernels), the timings
+its neighbour of the same kind (prompt or decode) and size, and reports the paired differences.
+Beforehand one whole run on each counts the greedy tokens both give alike. A change that rounds
+differently flips a few of W1's random-weight argmaxes (the lengths, and so the work, stay the same:
+``ignore_eos``); a build that packs weights differently from the working tree's (the engine packs them
+once, with the working tree's kernels) computes garbage, and almost no token agrees: then the timings
 mean nothing.
 
     python benchmarks/kernel_ab.py --base HEAD~3 [--model-preset w1-llama|qwen2-0.5b] [--repeats 3]
@@ -73,7 +74,8 @@ def main() -> None:
             use(libs[name])
             llm.reset_prefix_cache()
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(w.prompts, params, use_tqdm=False)]
-        print(f"same tokens with both builds: {tokens['base'] == tokens['working tree']}")
+        alike = sum(a == b for x, y in zip(tokens["base"], tokens["working tree"]) for a, b in zip(x, y))
+        print(f"greedy tokens alike with both builds: {alike} of {w.output_tokens}")
         for repeat in range(args.repeats):
             llm.reset_prefix_cache()
             for i, (prompt, sp) in enumerate(zip(w.prompts, params)):
