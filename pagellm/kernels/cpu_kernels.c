@@ -728,10 +728,12 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
  * The new tokens of one sequence (a prompt, or a chunk of one after `cached` tokens) attend causally
  * over everything in the pool up to their own position (their own K/V already written), read in
  * place through the block table. Flash-attention tiling with an online softmax: a work item is a
- * block of PREFILL_TOKENS query tokens and one KV head; each K/V block it reads is converted to
- * float32 once, then scored against TILE_ROWS query rows at a time whose scores and outputs stay in
- * vector registers. Written for block_size 16 (one key block row = one 16-float vector) and head_dim
- * 64 or 128; other shapes use PyTorch's flash kernel. */
+ * block of PREFILL_TOKENS query tokens and one KV head. The portable path converts each K/V block it
+ * reads to float32 once, then scores it against TILE_ROWS query rows at a time whose scores and
+ * outputs stay in vector registers, updating the softmax every block; the bfloat16 dot-product path
+ * repacks up to PREFILL_CHUNK_BLOCKS blocks at a time and updates it once per such chunk (see
+ * there). Written for block_size 16 (one key block row = one 16-float vector) and head_dim 64 or 128;
+ * other shapes use PyTorch's flash kernel. */
 #define PREFILL_TOKENS 64     /* query tokens per work item: the K/V blocks it repacks serve 64 tokens' rows */
 #define PREFILL_TOKENS_FEW 16 /* ... or 16 where 64 would leave threads without items (short prompts, many threads) */
 
