@@ -1444,7 +1444,6 @@ static void pack_tile_pairs(const uint16_t *x, int64_t x_stride, int rows, int64
     }
 }
 
-
 /* The mode is a constant in each copy, so that each compiles as the tile did without the option (with
  * the flag as a variable, alternating A/B runs measured up to 4% slower on a noisy machine). */
 #define LINEAR_TILE_OUT(ROWS, MODE) \
