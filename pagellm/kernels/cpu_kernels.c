@@ -755,19 +755,22 @@ static inline void prefill_row_spans(int64_t rows, int64_t padded, int64_t group
     }
 }
 
+/* The lanes [*lo, *hi) of key block b that a row at `pos` attending from key `first` reads (empty, lo
+ * == hi, for padding rows at pos -1); returns whether there are any. */
+static inline int prefill_block_lanes(int64_t b, int64_t pos, int64_t first, int64_t *lo, int64_t *hi) {
+    const int64_t l = first > b * 16 ? first - b * 16 : 0;
+    const int64_t h = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
+    *lo = l;
+    *hi = h > l ? h : l;
+    return h > l;
+}
+
 /* For key block b and a tile of rows with positions pos[0 .. tile - 1] and first keys first[...], the
- * lanes [lo[j], hi[j]) that row j attends (empty for padding rows); returns whether any row attends
- * any lane of the block. */
+ * lanes [lo[j], hi[j]) that row j attends; returns whether any row attends any lane of the block. */
 static inline int prefill_tile_lanes(int64_t b, int64_t tile, const int64_t *pos, const int64_t *first, int64_t *lo,
                                      int64_t *hi) {
     int any = 0;
-    for (int64_t j = 0; j < tile; j++) {
-        const int64_t l = first[j] > b * 16 ? first[j] - b * 16 : 0;
-        const int64_t h = pos[j] - b * 16 + 1 < 16 ? pos[j] - b * 16 + 1 : 16;
-        lo[j] = l;
-        hi[j] = h > l ? h : l;
-        any |= h > l;
-    }
+    for (int64_t j = 0; j < tile; j++) any |= prefill_block_lanes(b, pos[j], first[j], &lo[j], &hi[j]);
     return any;
 }
 
@@ -846,11 +849,10 @@ DEFINE_PREFILL_TILE(128, 2)
  * starts at block cb); scores: TILE_ROWS rows of PREFILL_CHUNK_BLOCKS * 16 floats; probs: TILE_ROWS rows
  * of PREFILL_CHUNK_BLOCKS * 8 pairs. */
 
-/* Lanes of key block b that a row at `pos` attending from key `first` reads. */
+/* Lanes of key block b that a row at `pos` attending from key `first` reads, as a mask. */
 static inline __mmask16 prefill_live(int64_t b, int64_t pos, int64_t first) {
-    const int64_t l = first > b * 16 ? first - b * 16 : 0;
-    const int64_t h = pos - b * 16 + 1 < 16 ? pos - b * 16 + 1 : 16;
-    return h > l ? (__mmask16)(((1u << h) - 1u) & ~((1u << l) - 1u)) : (__mmask16)0;
+    int64_t l, h;
+    return prefill_block_lanes(b, pos, first, &l, &h) ? (__mmask16)(((1u << h) - 1u) & ~((1u << l) - 1u)) : (__mmask16)0;
 }
 
 #define DEFINE_PREFILL_TILE_DOT(HD, TILE_ROWS)                                                              \
@@ -890,10 +892,12 @@ static inline __mmask16 prefill_live(int64_t b, int64_t pos, int64_t first) {
         for (int r = 0; r < TILE_ROWS; r++) {                                                            \
             const float *sr = scores + r * sw;                                                           \
             uint32_t *pr = probs + r * pw;                                                               \
+            __mmask16 live[PREFILL_CHUNK_BLOCKS];                                                        \
             __m512 top = _mm512_set1_ps(-INFINITY);                                                      \
-            for (int64_t k = tb0; k < tb1; k++)                                                          \
-                top = _mm512_mask_max_ps(top, prefill_live(k, pos[r], first[r]), top,                   \
-                                         _mm512_loadu_ps(sr + (k - tb0) * 16));                          \
+            for (int64_t k = tb0; k < tb1; k++) {                                                        \
+                live[k - tb0] = prefill_live(k, pos[r], first[r]);                                       \
+                top = _mm512_mask_max_ps(top, live[k - tb0], top, _mm512_loadu_ps(sr + (k - tb0) * 16)); \
+            }                                                                                            \
             const float chunk_max = _mm512_reduce_max_ps(top);                                           \
             if (chunk_max == -INFINITY) { /* nothing of this row here: zero probabilities, no update */  \
                 rescale[r] = 1.0f;                                                                       \
@@ -905,7 +909,7 @@ static inline __mmask16 prefill_live(int64_t b, int64_t pos, int64_t first) {
             rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);                      \
             __m512 total = _mm512_setzero_ps();                                                          \
             for (int64_t k = tb0; k < tb1; k++) {                                                        \
-                const __m512 p = _mm512_maskz_mov_ps(prefill_live(k, pos[r], first[r]),                 \
+                const __m512 p = _mm512_maskz_mov_ps(live[k - tb0],                                      \
                     exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + (k - tb0) * 16), _mm512_set1_ps(m))));      \
                 total = _mm512_add_ps(total, p);                                                         \
                 _mm256_storeu_si256((__m256i *)(pr + (k - tb0) * 8), (__m256i)_mm512_cvtneps_pbh(p));    \
