@@ -235,6 +235,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k_cache.device.type != "cpu" or dtype not in DTYPE_CODES or load() is None
             or k.dtype != dtype or v.dtype != dtype or v_cache.dtype != dtype or v.shape != k.shape
             or tuple(k_cache.shape[1:3]) != (num_kv_heads, head_dim)
+            or tuple(v_cache.shape) != (k_cache.shape[0], num_kv_heads, k_cache.shape[3], head_dim)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != (n,)
             or any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (k, v))):
@@ -273,6 +274,10 @@ def _query_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, an
                          f"of {k_cache.shape[2]}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
         raise ValueError("native attention needs contiguous K/V pools of one dtype")
+    num_blocks, _, _, block_size = k_cache.shape
+    if tuple(v_cache.shape) != (num_blocks, num_kv_heads, block_size, head_dim):
+        raise ValueError(f"value pool {tuple(v_cache.shape)} does not match the key pool {tuple(k_cache.shape)}: "
+                         f"want (num_blocks, num_kv_heads, block_size, head_dim) as kv_shapes lays it out")
     heads_contiguous = q.stride(2) == 1 and q.stride(1) == head_dim
     if q.dtype != dtype or not heads_contiguous or not (any_token_stride or q.is_contiguous()):
         q = q.to(dtype).contiguous()
@@ -301,7 +306,7 @@ def scratch_enough(scratch: torch.Tensor, num_heads: int, head_dim: int, block_s
 def paged_decode_attention(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim): heads contiguous, any stride between sequences
     k_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_dim, block_size)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, num_kv_heads, block_size, head_dim)
     tables: torch.Tensor,  # (num_seqs, max_blocks) int64, padded with any valid block id
     lens: torch.Tensor,  # (num_seqs,) int64 context lengths, >= 1
     scratch: torch.Tensor,  # from scratch_for(...)

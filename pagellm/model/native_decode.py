@@ -83,7 +83,7 @@ class NativeDecoder:
                 and rotary.sin.is_contiguous() and rotary.cos.shape == rotary.sin.shape
                 and rotary.cos.shape[-1] == head_dim
                 and tuple(k0.shape[1:]) == (attn.num_kv_heads, head_dim, k0.shape[3])
-                and tuple(v0.shape[1:]) == (k0.shape[3], attn.num_kv_heads, head_dim)):
+                and tuple(v0.shape[1:]) == (attn.num_kv_heads, k0.shape[3], head_dim)):
             return None
         # (in_features, out_features) of each linear, as the C side computes them.
         shapes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * inter), (inter, hidden))

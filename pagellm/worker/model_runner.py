@@ -30,7 +30,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = cache_engine.block_size
-        self.num_kv_heads, self.head_dim = cache_engine.kv_caches[0][1].shape[2:]  # from the value pool
+        _, self.num_kv_heads, _, self.head_dim = cache_engine.kv_caches[0][1].shape  # from the value pool
         self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
         self.native_decode = native.supports(device, cache_engine.kv_caches[0][1].dtype)

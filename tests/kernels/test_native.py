@@ -124,8 +124,8 @@ def _shared_prefix_pools(lens, prefixes, kv_heads, head_dim, seed=0):
     for prefixes[i] = (base, count) < 32 (count 0: none), then blocks of its own."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 32 + sum(-(-n // 16) for n in lens)
-    k_cache = torch.randn(num_blocks, kv_heads, head_dim, 16, generator=g).to(torch.bfloat16)
-    v_cache = torch.randn(num_blocks, 16, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(torch.bfloat16)
+                        for shape in kv_shapes(num_blocks, 16, kv_heads, head_dim))
     own = iter(range(32, num_blocks))
     tables = [list(range(base, base + k)) + [next(own) for _ in range(-(-n // 16) - k)]
               for n, (base, k) in zip(lens, prefixes)]
@@ -170,7 +170,7 @@ def test_cascade_gives_each_sequence_the_bits_it_gets_alone(head_dim, heads, kv_
     assert torch.equal(windowed, want)
     for i, n in enumerate(lens):  # and it is attention
         keys = k16[padded[i, : -(-n // 16)]].permute(0, 3, 1, 2).reshape(-1, kv_heads, head_dim)[:n]
-        values = v16[padded[i, : -(-n // 16)]].reshape(-1, kv_heads, head_dim)[:n]
+        values = v16[padded[i, : -(-n // 16)]].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:n]
         ref = _reference(q[i : i + 1].double(), keys.double(), values.double(), [n - 1], None, head_dim**-0.5)
         torch.testing.assert_close(together[i].double(), ref[0], atol=2e-2, rtol=2e-2)
 
@@ -507,3 +507,9 @@ def test_wrong_shapes_are_refused_with_a_message():
     with pytest.raises(ValueError, match="out must be"):  # an output buffer of another dtype
         native.paged_decode_attention(torch.zeros(1, 4, 64), k_cache, v_cache, tables, lens, scratch, 1.0,
                                       out=torch.zeros(1, 4, 64, dtype=torch.bfloat16))
+    # A value pool laid out token-major (the layout before head-major values) would be read as garbage.
+    token_major = torch.zeros(8, 16, 2, 64)
+    with pytest.raises(ValueError, match="value pool .* does not match the key pool"):
+        native.paged_decode_attention(torch.zeros(1, 4, 64), k_cache, token_major, tables, lens, scratch, 1.0)
+    with pytest.raises(ValueError, match="value pool .* does not match the key pool"):
+        native.paged_prefill_attention(torch.zeros(5, 4, 64), k_cache, token_major, tables[0], 0, 1.0)

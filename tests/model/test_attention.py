@@ -105,7 +105,7 @@ def test_write_kv_stores_each_token_at_its_slot(dtype, path, num_tokens, monkeyp
     for i, slot in enumerate(slots):
         block, offset = divmod(slot, block_size)
         assert torch.equal(k_cache[block, :, :, offset], k[i])  # keys: (blocks, heads, d, block_size)
-        assert torch.equal(v_cache[block, offset], v[i])  # values: (blocks, block_size, heads, d)
+        assert torch.equal(v_cache[block, :, offset], v[i])  # values: (blocks, heads, block_size, d)
     assert int((k_cache != 0).sum()) == int((k != 0).sum())  # nothing written elsewhere
 
 
