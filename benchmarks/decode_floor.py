@@ -47,9 +47,11 @@ class DecodeParts:
         self.q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).bfloat16()
         self.out = torch.empty_like(self.q)
         self.scratch = native.scratch_for(HEADS, HEAD_DIM, BLOCK, blocks)
-        shapes = [(3 * HIDDEN, HIDDEN, False), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, True), (HIDDEN, INTER, False)]
-        self.weights = [[(native.pack_linear_weight(torch.randn(n, k, generator=gen).bfloat16() * 0.05, gated), n, k, gated)
-                         for n, k, gated in shapes] for _ in range(LAYERS)]
+        shapes = [(3 * HIDDEN, HIDDEN, False), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, True),
+                  (HIDDEN, INTER, False)]
+        def packed(n: int, k: int, gated: bool) -> torch.Tensor:
+            return native.pack_linear_weight(torch.randn(n, k, generator=gen).bfloat16() * 0.05, gated)
+        self.weights = [[(packed(n, k, gated), n, k, gated) for n, k, gated in shapes] for _ in range(LAYERS)]
         self.inputs = {k: torch.randn(batch, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
         self.pool_bytes = sum(p.numel() * p.element_size() for p in self.k_pools + self.v_pools)
 

@@ -3,11 +3,12 @@
 Cache layout (per layer): values ``[num_blocks, num_kv_heads, block_size, head_dim]``; keys are stored
 transposed, ``[num_blocks, num_kv_heads, head_dim, block_size]`` (as vLLM's paged-attention kernels
 store them). One (block, KV head)'s values, like its keys, are one contiguous run that attention reads
-from start to end (token-major values, all heads of a token side by side, had decode read each head's
-rows 128 bytes at a time across the block: 11% slower on W1's shapes). In the key layout one (block, head) is a ``head_dim x block_size`` matrix, so a query's
-scores for the block are a weighted sum of its ``head_dim`` rows with the query as weights: an
-``embedding_bag`` that reads the keys straight from the pool (the PyTorch path; the native kernel
-uses the same layout as 16-wide vector rows). Values are likewise summed straight from the pool with
+from start to end (with token-major values, all heads of a token side by side, decode read a head's
+rows 128 bytes at a time across the block: 11-15% slower on W1's shapes). In the key layout one
+(block, head) is a ``head_dim x block_size`` matrix, so a query's scores for the block are a weighted
+sum of its ``head_dim`` rows with the query as weights: an ``embedding_bag`` that reads the keys
+straight from the pool (the PyTorch path; the native kernel uses the same layout as 16-wide vector
+rows). Values are likewise summed straight from the pool with
 the attention probabilities as weights. Decode therefore never copies K or V.
 
 A step's flat batch holds the decode tokens first (one per sequence), then each
@@ -186,16 +187,13 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
         mask &= key_pos > lens - 1 - sliding_window
     # The KV head each query head reads.
     kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)  # (num_heads,)
+    blocks, heads = tables.view(num, 1, max_blocks, 1), kv_head.view(1, num_heads, 1, 1)
     key_rows = None
     if block_size >= BAG_MIN_BLOCK_SIZE:
-        blocks = tables.view(num, 1, max_blocks, 1)
-        heads = kv_head.view(1, num_heads, 1, 1)
         key_rows = ((blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)).view(-1, head_dim)
     # Row (block, kv_head, t) of the value pool seen as (-1, head_dim).
-    blocks = tables.view(num, 1, max_blocks, 1)
-    value_rows = ((blocks * num_kv_heads + kv_head.view(1, num_heads, 1, 1)) * block_size
-                  + torch.arange(block_size, device=dev)).view(num, num_heads, ctx)
-    return DecodeGroup(start, num, ctx, ~mask, tables, key_rows, value_rows.view(-1, ctx))
+    value_rows = (blocks * num_kv_heads + heads) * block_size + torch.arange(block_size, device=dev)
+    return DecodeGroup(start, num, ctx, ~mask, tables, key_rows, value_rows.reshape(-1, ctx))
 
 
 def write_kv(
