@@ -9,7 +9,8 @@ Beforehand one whole run on each counts the greedy tokens both give alike. A cha
 differently flips a few of W1's random-weight argmaxes (the lengths, and so the work, stay the same:
 ``ignore_eos``); a build that packs weights differently from the working tree's (the engine packs them
 once, with the working tree's kernels) computes garbage, and almost no token agrees: then the timings
-mean nothing.
+mean nothing. Since 441b09b the value pool is head-major; a base before it lays values out token-major
+and is refused (its kernels would read the working tree's pools as garbage).
 
     python benchmarks/kernel_ab.py --base HEAD~3 [--model-preset w1-llama|qwen2-0.5b] [--repeats 3]
 """
@@ -28,6 +29,7 @@ from pagellm.bench.workloads import MODEL_PRESETS, bench_model_path, random_work
 from pagellm.kernels import native
 
 SOURCE = "pagellm/kernels/cpu_kernels.c"
+HEAD_MAJOR_VALUES = "values [num_blocks, num_kv_heads, block_size, head_dim]"  # the layout line of its header
 
 
 def build(source: Path) -> Any:
@@ -58,6 +60,9 @@ def main() -> None:
             base_src = Path(tmp) / "cpu_kernels.c"
             base_src.write_text(subprocess.run(["git", "show", f"{args.base}:{SOURCE}"], cwd=root, check=True,
                                                capture_output=True, text=True).stdout)
+        if HEAD_MAJOR_VALUES not in base_src.read_text():
+            raise SystemExit(f"{args.base}'s kernels lay the value pool out token-major (before 441b09b); the "
+                             f"engine's pools are head-major now: compare against 441b09b or later")
         libs = {"base": build(base_src), "working tree": build(working)}
     path = bench_model_path(args.model_preset, "bfloat16")
     llm = LLM(str(path), dtype="bfloat16", max_model_len=800)

@@ -689,9 +689,9 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             }
             for (int64_t b = b0; b < nb && !vector_bf16; b++) {
                 const int64_t next = next_block(table, b, nb, block_elems);
-                for (int64_t t = 0; t < block_size; t++) {
-                    const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */
-                    for (int64_t h = h_lo; h < h_hi; h++) {
+                for (int64_t h = h_lo; h < h_hi; h++) { /* a head's value rows one after the other */
+                    for (int64_t t = 0; t < block_size; t++) {
+                        const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */
                         const int64_t row = h * head_elems + t * head_dim;
                         prefetch(v_pool, next < 0 ? -1 : next + row, head_dim, dtype);
                         load_floats(v_pool, table[b] * block_elems + row, head_dim, dtype, vrow);

@@ -61,8 +61,8 @@ class DecodeGroup:
     # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
     # rows per (sequence, query head, block). None below BAG_MIN_BLOCK_SIZE (keys are gathered).
     key_rows: Optional[torch.Tensor]  # (num * num_heads * max_blocks, head_dim) int64
-    # Values viewed as (num_blocks * block_size * num_kv_heads, head_dim) rows: one bag of ctx rows
-    # per (sequence, query head).
+    # Values viewed as (num_blocks * num_kv_heads * block_size, head_dim) rows, row (block, kv_head, t):
+    # one bag of ctx rows per (sequence, query head).
     value_rows: torch.Tensor  # (num * num_heads, ctx) int64
 
 
