@@ -15,6 +15,8 @@ class RequestOutputKind(enum.Enum):
 
 # Below this, temperature means greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
+# The seeds torch.Generator.manual_seed accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _is_int(x: object) -> bool:
@@ -112,8 +114,8 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "an integer >= 1, or 0 or -1 to disable it")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "a number in [0, 1] (0 disables it)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise bad("seed", self.seed, "an integer in [-2**63, 2**64 - 1] (what a torch generator takes) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to max_model_len)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -137,6 +139,6 @@ class SamplingParams:
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                _is_int(k) and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()
+                _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()
             ):
-                raise bad("logit_bias", self.logit_bias, "a dict of token id -> bias in [-100, 100]")
+                raise bad("logit_bias", self.logit_bias, "a dict of token id (>= 0) -> bias in [-100, 100]")

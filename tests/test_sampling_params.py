@@ -26,7 +26,11 @@ from pagellm import SamplingParams
         (dict(prompt_logprobs=21), "prompt_logprobs must be an integer in [0, 20] or None"),
         (dict(stop=[""]), "stop must be a non-empty string or a list of non-empty strings"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative token ids"),
-        (dict(seed="x"), "seed must be an integer or None"),
+        (dict(seed="x"), "seed must be an integer in [-2**63, 2**64 - 1]"),
+        (dict(seed=2**64), "seed must be an integer in [-2**63, 2**64 - 1]"),
+        (dict(seed=-(2**63) - 1), "seed must be an integer in [-2**63, 2**64 - 1]"),
+        (dict(logit_bias={-1: 5.0}), "logit_bias must be a dict of token id (>= 0) -> bias in [-100, 100]"),
+        (dict(logit_bias={3: float("nan")}), "logit_bias must be a dict of token id (>= 0)"),
         (dict(temperature="hot"), "temperature must be a number"),
     ],
 )
@@ -42,3 +46,8 @@ def test_normalisation():
     g = SamplingParams(temperature=0, top_p=0.5, top_k=3)
     assert g.is_greedy and (g.top_p, g.top_k) == (1.0, 0)
     assert p.clone(max_tokens=3).max_tokens == 3
+
+
+def test_the_whole_seed_range_is_taken():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)

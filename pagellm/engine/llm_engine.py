@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import jinja2
 import torch
 
 from pagellm.config import EngineArgs, parse_memory
@@ -231,9 +233,12 @@ class LLMEngine:
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError("this tokenizer has no chat template: pass chat_template=... or use generate()")
-        ids = self.tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), e.g. roles not alternating
+            raise ValueError(f"the chat template refused these messages: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -297,8 +302,10 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         for name, slo in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
-            if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool) or slo <= 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {slo!r}")
+            if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool)
+                                    or not 0 < slo < math.inf):
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {slo!r}")
+        self._check_vocab_params(params)
         text, ids = self.tokenize_prompt(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -319,6 +326,21 @@ class LLMEngine:
         for seq in request.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
+
+    def _check_vocab_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: token ids within the vocabulary, and
+        min_tokens leaving some token to sample."""
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias has token ids outside this model's vocabulary [0, {self.vocab_size}): "
+                                 f"{bad[:5]}")
+        if params.min_tokens:
+            banned = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
+            if len({t for t in banned if t < self.vocab_size}) >= self.vocab_size:
+                raise ValueError("min_tokens bans stop_token_ids (and EOS) until it is reached, and these cover every "
+                                 f"token of the vocabulary ({self.vocab_size}): nothing could be sampled; "
+                                 "drop min_tokens or list fewer stop_token_ids")
 
     def add_request(
         self,

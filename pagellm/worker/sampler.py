@@ -53,6 +53,12 @@ class Sampler:
         params = [s.params for s in seqs]
         if any(_needs_processing(s) for s in seqs):
             logits = self._process(logits.clone(), seqs)
+            # A row left with no finite logit (every token banned) would sample an id outside the
+            # vocabulary: it keeps its unprocessed logits. (The engine refuses the requests it knows
+            # would do this; this keeps one that slips through from failing everyone's step.)
+            dead = torch.isneginf(logits).all(dim=1)
+            if bool(dead.any()):
+                logits[dead] = raw[dead]
         # Chosen tokens' logprobs only where some request asks for them (as in vLLM): without, a
         # greedy step needs just the argmax, not a pass of exponentials over every logit.
         scored = [p.scores_samples for p in params]

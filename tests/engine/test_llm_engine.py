@@ -117,6 +117,9 @@ def test_abort_frees_blocks_in_every_state_and_engine_keeps_serving(llama_path):
         (lambda: ([""], None), "prompt is empty"),
         (lambda: ([[1, 2, 99999]], None), r"token ids must be integers in \[0, "),
         (lambda: ([3.5], None), "a prompt must be a string"),
+        (lambda: (["x"], dict(logit_bias={10**6: 1.0})), r"logit_bias has token ids outside this model's vocab"),
+        (lambda: (["x"], dict(min_tokens=2, stop_token_ids=list(range(2000)))),
+         "cover every token of the vocabulary"),
     ],
 )
 def test_bad_input_raises_a_clear_error_and_the_engine_serves_the_next(llm, make_bad, match):

@@ -96,5 +96,5 @@ def test_scheduler_flags_are_validated(llama_path):
     with pytest.raises(ValueError, match="default_ttft_slo .* positive number of seconds"):
         EngineArgs(default_ttft_slo=-1)
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
-    with pytest.raises(ValueError, match="ttft_slo must be a positive number"):
+    with pytest.raises(ValueError, match="ttft_slo must be a positive, finite number"):
         engine.add_request("x", "hi", ttft_slo=0)

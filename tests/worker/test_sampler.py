@@ -119,3 +119,15 @@ def test_greedy_logprob_of_chosen_token_is_the_max(llm):
     for tok, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert entry[tok].rank == 1
         assert math.isfinite(entry[tok].logprob)
+
+
+def test_a_row_with_every_token_banned_samples_inside_the_vocabulary():
+    # min_tokens bans the stop ids; here they cover the whole (tiny) vocabulary. The engine refuses
+    # such a request up front; the sampler must still never emit an id the embedding cannot look up.
+    sampler = Sampler([], torch.device("cpu"), seed=0)
+    banned_all = SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[0, 1, 2, 3])
+    ok = SamplingParams(temperature=1.0, seed=1)
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(2, 1)
+    for _ in range(50):
+        tokens = [r.token_id for r in sampler(logits, seqs_for([banned_all, ok]))]
+        assert all(0 <= t < 4 for t in tokens)

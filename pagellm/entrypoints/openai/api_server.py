@@ -10,12 +10,15 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Optional, TypeVar
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagellm
@@ -92,6 +95,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raw = await request.body()
     except BodyTooLarge:
         raise APIError(413, "the request body is larger than the server's limit; send less") from None
+    except ClientDisconnect:  # gone before the body was whole: nobody to answer, nothing to log
+        raise APIError(400, "the client disconnected before sending the whole body") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -105,12 +110,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
-              max_waiting_requests: Optional[int] = None, max_body_bytes: int = 2**20) -> FastAPI:
+              max_waiting_requests: Optional[int] = None, max_body_bytes: int = 2**20,
+              chat_template: Optional[str] = None) -> FastAPI:
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(lambda outs: metrics.on_step(outs, pending=len(async_engine._pending_adds)))
     async_engine.abort_callbacks.append(metrics.on_abort)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,6 +141,11 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: still OpenAI's shape, so clients can read it (the traceback is logged).
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
@@ -175,9 +186,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = serving.chat_prompt_ids(body.messages, body.add_generation_prompt)
+            ids = await serving.off_loop(serving.chat_prompt_ids, body.messages, body.add_generation_prompt)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await serving.off_loop(lambda: engine.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -205,12 +217,35 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $PAGELLM_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or the path of a file holding one, used instead of the "
+                        "tokenizer's own")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many queued requests, answer 503 with Retry-After")
     s.add_argument("--max-request-body-size", default=DEFAULT_MAX_BODY, help="largest request body (413 above)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     p.set_defaults(func=run_server)
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``: a file's contents, or the template itself (vLLM's rule: text with a Jinja
+    block or variable is a template; anything else must be a file)."""
+    if value is None:
+        return None
+    if "{%" in value or "{{" in value:
+        template = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
+                             "(one with {{ ... }} or {% ... %})")
+        template = path.read_text()
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse as Jinja (line {e.lineno}): {e.message}") from e
+    return template
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -225,12 +260,13 @@ def run_server(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     max_body = parse_memory(args.max_request_body_size)
+    chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
     name = args.served_model_name or (args.model if args.model is not None else engine.model_path.name)
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=max_body)
+                    max_body_bytes=max_body, chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)

@@ -41,9 +41,54 @@ def error_response(err: APIError) -> JSONResponse:
                         headers=err.headers)
 
 
+_TYPE_WORDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+               "bool": ("a boolean", "booleans")}
+
+
+def _describe(tag: str, plural: bool = False) -> str:
+    """A union member's tag in pydantic's errors ('str', 'list[int]', 'dict[str,any]') in words."""
+    if tag in _TYPE_WORDS:
+        return _TYPE_WORDS[tag][plural]
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("lists of " if plural else "a list of ") + _describe(tag[5:-1], plural=True)
+    if tag.startswith("dict["):
+        return "objects" if plural else "an object"
+    return tag
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _TYPE_WORDS or "[" in part)
+
+
+def _union_error(errors: list[dict]) -> Optional[APIError]:
+    """One message for a field that takes several types (``prompt``, ``stop``, a message's ``content``):
+    pydantic reports a failure per member, and the first alone names a member, not the field."""
+    loc = tuple(errors[0].get("loc", ()))
+    at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if at is None:
+        return None
+    field, tags, value = loc[:at], [], None
+    for err in errors:
+        other = tuple(err.get("loc", ()))
+        if other[:at] == field and len(other) > at and _is_union_tag(other[at]):
+            if other[at] not in tags:
+                tags.append(other[at])
+            if len(other) == at + 1:  # this member's check saw the field's whole value
+                value = err.get("input")
+    words = [_describe(t) for t in tags]
+    expected = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    name = ".".join(str(p) for p in field)
+    shown = "null" if value is None else type(value).__name__ if isinstance(value, (dict, list)) else repr(value)
+    return APIError(400, f"invalid value for '{name}': expected {expected} (got {shown})", param=name)
+
+
 def from_validation_error(e: ValidationError) -> APIError:
     """The first problem of a pydantic error, phrased for a person, with the field as ``param``."""
-    first = e.errors()[0]
+    errors = e.errors()
+    union = _union_error(errors)
+    if union is not None:
+        return union
+    first = errors[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
     kind = first.get("type", "")
     if kind == "json_invalid":

@@ -55,12 +55,12 @@ class SamplingFields(StrictModel):
         """Raises ValueError naming the field on an invalid value."""
         bias = None
         if self.logit_bias:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError(
-                    f"logit_bias keys must be token ids (integers as strings), got {list(self.logit_bias)}"
-                ) from None
+            # Plain ASCII digits only: int() would also take " 5", "1_0", "-1" and other scripts' digits.
+            bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
+            if bad:
+                raise ValueError(f"logit_bias keys must be token ids written as non-negative integers "
+                                 f"(\"42\"), got {bad[:5]}")
+            bias = {int(k): v for k, v in self.logit_bias.items()}
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
 from pagellm.engine.detokenizer import stop_prefix_len
-from pagellm.entrypoints.openai.errors import APIError, from_value_error
+from pagellm.entrypoints.openai.errors import APIError, error_body, from_value_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.1
+
+logger = logging.getLogger("pagellm.server")
+T = TypeVar("T")
 
 
 def sse(payload: Any) -> str:
@@ -55,12 +60,20 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: Optional[str] = None) -> None:
         self.engine = engine
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name
         self.max_model_len = self.llm.max_model_len
+        self.chat_template = chat_template  # None: the tokenizer's own
+        # Tokenizing (and chat templates) off the event loop, so that a long prompt does not stall
+        # every other client's stream; one thread, so requests' tokenizations never overlap.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # --------------------------------------------------------------- common
     def check_model(self, model: Optional[str]) -> None:
@@ -68,15 +81,16 @@ class OpenAIServing:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def _check_length(self, prompt_len: int, max_tokens: Optional[int], what: str = "prompt") -> None:
-        total = prompt_len + (max_tokens or 1)
+    def _check_length(self, prompt_len: int, max_tokens: int, what: str = "prompt",
+                      max_tokens_name: str = "max_tokens") -> None:
+        total = prompt_len + max_tokens
         if total > self.max_model_len:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens, but the {what} has "
-                f"{prompt_len} tokens and max_tokens is {max_tokens or 1} ({total} in all): shorten the {what} "
-                "or lower max_tokens",
-                param="max_tokens" if prompt_len < self.max_model_len else "prompt",
+                f"{prompt_len} tokens and {max_tokens_name} is {max_tokens} ({total} in all): shorten the {what} "
+                f"or lower {max_tokens_name}",
+                param=max_tokens_name if prompt_len < self.max_model_len else what,
                 code="context_length_exceeded",
             )
 
@@ -174,7 +188,10 @@ class OpenAIServing:
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo, to score a prompt)",
                            param="max_tokens")
-        prompts = self._completion_prompts(req.prompt)
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, f"best_of ({req.best_of}) > n ({req.n}) cannot be streamed: which samples are the "
+                                "best is known only at the end; drop stream or best_of", param="best_of")
+        prompts = await self._completion_prompts(req.prompt)
         try:
             params = req.sampling_params(
                 max_tokens=1 if echo_only else req.max_tokens,
@@ -185,7 +202,11 @@ class OpenAIServing:
         except ValueError as e:
             raise from_value_error(e) from e
         for _, ids in prompts:
-            self._check_length(len(ids), params.max_tokens)
+            if echo_only and len(ids) >= self.max_model_len:
+                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                    f"prompt has {len(ids)}: to score a prompt with echo it must be shorter",
+                               param="prompt", code="context_length_exceeded")
+            self._check_length(len(ids), params.max_tokens or 1)
         job = self._start(prompts, params, req, "cmpl")
         created = int(time.time())
         rid = job.streams[0].request_id
@@ -205,13 +226,20 @@ class OpenAIServing:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage}
 
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+    async def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             items = [prompt]
         else:
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
+        limit = self.engine.max_waiting_requests
+        if limit is not None and len(items) > limit:
+            raise APIError(400, f"{len(items)} prompts in one request, but the server queues at most {limit} "
+                                "requests: send them in smaller batches", param="prompt")
+        return await self.off_loop(self._tokenize_all, items)
+
+    def _tokenize_all(self, items: list[Any]) -> list[tuple[str, list[int]]]:
         out = []
         for item in items:
             try:
@@ -308,16 +336,18 @@ class OpenAIServing:
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                        raise APIError(400, f"messages[{i}].content: content part type {kind!r} is not supported; "
-                                            "only text parts are", param=f"messages.{i}.content")
+                    if part.get("type") != "text":
+                        raise APIError(400, f"messages[{i}].content: content part type {part.get('type')!r} is not "
+                                            "supported; only text parts are", param=f"messages.{i}.content")
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"messages[{i}].content: a text part needs a 'text' string, as in "
+                                            "{'type': 'text', 'text': 'Hello'}", param=f"messages.{i}.content")
                     texts.append(part["text"])
                 content = "".join(texts)
             role = "system" if m.role == "developer" else m.role
             conversation.append({"role": role, "content": content or ""})
         try:
-            return self.llm.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            return self.llm.apply_chat_template(conversation, self.chat_template, add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
@@ -328,8 +358,15 @@ class OpenAIServing:
             raise APIError(400, f"'{unsupported}' is not supported by this server; remove it", param=unsupported)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
+                           param="top_logprobs")
+        # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", param=limit_name)
+        ids = await self.off_loop(self.chat_prompt_ids, req.messages, req.add_generation_prompt)
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         try:
@@ -337,8 +374,8 @@ class OpenAIServing:
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         except ValueError as e:
             raise from_value_error(e) from e
-        self._check_length(len(ids), params.max_tokens, what="messages")
-        job = self._start([(self.tokenizer.decode(ids), ids)], params, req, "chatcmpl")
+        self._check_length(len(ids), max_tokens, what="messages", max_tokens_name=limit_name)
+        job = self._start([(await self.off_loop(self.tokenizer.decode, ids), ids)], params, req, "chatcmpl")
         created = int(time.time())
         rid = job.streams[0].request_id
         if req.stream:
@@ -412,5 +449,21 @@ class OpenAIServing:
 
     @staticmethod
     def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(chunks, media_type="text/event-stream",
+        return StreamingResponse(_ending_with_an_error_event(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _ending_with_an_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The chunks; a failure after the 200 went out (the engine failed, the server shuts down) ends
+    the stream with an error event and ``[DONE]``, as vLLM does, rather than a cut connection."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as e:
+        if isinstance(e, APIError):
+            err = e
+        else:
+            logger.exception("a stream failed")
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}")
+        yield sse(error_body(err.status, err.message, err.param, err.code))
+        yield "data: [DONE]\n\n"

@@ -275,6 +275,36 @@ BAD_INPUTS = [
     ("missing key", "/v1/completions", GOOD, {}, 401, "missing API key"),
     ("wrong key", "/v1/completions", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
     ("oversized body", "/v1/completions", {**GOOD, "prompt": "x" * 70_000}, None, 413, "larger than the limit"),
+    ("seed out of range", "/v1/completions", {**GOOD, "seed": 2**64, "temperature": 1.0}, None, 400,
+     "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("every token banned", "/v1/completions", {**GOOD, "min_tokens": 2, "stop_token_ids": list(range(512))}, None,
+     400, "cover every token of the vocabulary"),
+    ("best_of streamed", "/v1/completions", {**GOOD, "best_of": 3, "stream": True}, None, 400,
+     "best_of (3) > n (1) cannot be streamed"),
+    ("logit_bias other digits", "/v1/completions", {**GOOD, "logit_bias": {"\u0663": 100}}, None, 400,
+     "logit_bias keys must be token ids"),
+    ("logit_bias negative", "/v1/completions", {**GOOD, "logit_bias": {"-1": 1}}, None, 400,
+     "logit_bias keys must be token ids"),
+    ("logit_bias out of vocab", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, None, 400,
+     "outside this model's vocabulary"),
+    ("ttft_slo NaN", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 3, "ttft_slo": NaN}', None, 400,
+     "ttft_slo must be a positive, finite number"),
+    ("prompt of mixed types", "/v1/completions", {**GOOD, "prompt": [1, "a"]}, None, 400,
+     "'prompt': expected a string, a list of strings, a list of integers or a list of lists of integers"),
+    ("more prompts than the queue", "/v1/completions", {**GOOD, "prompt": ["x"] * 1025}, None, 400,
+     "1025 prompts in one request, but the server queues at most 1024"),
+    ("echo of a prompt too long to score", "/v1/completions",
+     {**GOOD, "prompt": [7] * 2048, "max_tokens": 0, "echo": True}, None, 400,
+     "to score a prompt with echo it must be shorter"),
+    ("top_logprobs 21", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "logprobs": True, "top_logprobs": 21}, None, 400,
+     "top_logprobs must be an integer in [0, 20], got 21"),
+    ("max_completion_tokens 0", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}, None, 400,
+     "max_completion_tokens must be an integer >= 1, got 0"),
+    ("text part without text", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, None, 400,
+     "a text part needs a 'text' string"),
     ("unknown route", "/v1/nothing", GOOD, None, 404, "no such route"),
 ]
 
@@ -295,6 +325,35 @@ def test_bad_input_gets_the_right_status_and_a_clear_message(server, case):
     ok = httpx.post(server.url + "/v1/completions", json=GOOD, headers=server.headers)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
     wait_idle(server)
+
+
+def test_errors_name_the_field_the_client_sent(server):
+    cases = [
+        ("/v1/completions", {**GOOD, "prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {**GOOD, "stop": [None]}, "stop"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+         "messages.0.content"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]},
+         "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                                  "top_logprobs": -1}, "top_logprobs"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(server.url + path, json=body, headers=server.headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    wait_idle(server)
+
+
+def test_a_client_gone_mid_body_is_not_logged_as_a_server_error(server):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    ok = httpx.post(server.url + "/v1/completions", json=GOOD, headers=server.headers)
+    assert ok.status_code == 200
+    time.sleep(0.2)
+    assert "Exception in ASGI application" not in server.log()
 
 
 def test_official_client_raises_typed_errors(client):
