@@ -68,6 +68,11 @@ def test_chat_uses_the_chat_template(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == a.outputs[0].token_ids
     with pytest.raises(ValueError, match="messages must be a list"):
         llm.chat([["not a message"]], GREEDY, use_tqdm=False)
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}" \
+             "{% endif %}{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="the chat template refused these messages: the first message must be"):
+        llm.chat(conv, GREEDY, use_tqdm=False, chat_template=strict)
+    assert_all_blocks_free(llm)
 
 
 def test_progress_bar_is_shown_with_tqdm(llm, capsys):

@@ -449,11 +449,11 @@ class OpenAIServing:
 
     @staticmethod
     def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(_ending_with_an_error_event(chunks), media_type="text/event-stream",
+        return StreamingResponse(ending_with_an_error_event(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _ending_with_an_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def ending_with_an_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chunks; a failure after the 200 went out (the engine failed, the server shuts down) ends
     the stream with an error event and ``[DONE]``, as vLLM does, rather than a cut connection."""
     try:

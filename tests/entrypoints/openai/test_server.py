@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.serving import ending_with_an_error_event, sse
 from tests.entrypoints.openai.server_utils import RemoteServer
 
 API_KEY = "test-key-123"
@@ -414,3 +418,59 @@ def test_json_chunks_parse(server):
     assert lines[-1] == "data: [DONE]"
     for line in lines[:-1]:
         assert json.loads(line[len("data: "):])["object"] == "chat.completion.chunk"
+
+
+# ------------------------------------------------------- --chat-template
+ALTERNATING = ("{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+               "{{ raise_exception('roles must alternate between user and assistant') }}{% endif %}"
+               "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "assistant: {% endif %}")
+
+
+def test_chat_template_flag_and_its_refusals(llama_path, tmp_path):
+    template_file = tmp_path / "alternating.jinja"
+    template_file.write_text(ALTERNATING)
+    srv = RemoteServer(llama_path, ["--max-model-len", "256", "--num-kv-blocks", "64",
+                                    "--chat-template", str(template_file)])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        ok = client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert ok.choices[0].finish_reason == "length"
+        # The template (not the tokenizer's own) made the prompt.
+        ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert httpx.post(srv.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"].endswith(
+            "user: Hi\nassistant: ")
+        twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, max_tokens=2, messages=twice)
+        assert "roles must alternate between user and assistant" in e.value.body["message"]
+        assert e.value.body["param"] == "messages"
+        r = httpx.post(srv.url + "/tokenize", json={"messages": twice})
+        assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"]
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+    finally:
+        assert srv.stop() == 0
+    bad = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(llama_path),
+                          "--chat-template", str(tmp_path / "missing.jinja")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "is neither a file nor a Jinja template" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(llama_path),
+                          "--chat-template", "{% for %}"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "does not parse as Jinja" in bad.stderr
+
+
+# ------------------------------------------------ failures after the 200
+def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event():
+    async def chunks(error: Exception):
+        yield sse({"choices": [{"index": 0, "text": "a"}]})
+        raise error
+
+    async def collect(error: Exception) -> list[str]:
+        return [c async for c in ending_with_an_error_event(chunks(error))]
+
+    lines = asyncio.run(collect(APIError(500, "generation failed: engine step failed: boom")))
+    assert len(lines) == 3 and lines[-1] == "data: [DONE]\n\n"
+    err = json.loads(lines[1][len("data: "):])["error"]
+    assert err["message"] == "generation failed: engine step failed: boom" and err["type"] == "internal_server_error"
+    lines = asyncio.run(collect(KeyError("index")))  # a bug: still an event the client can read
+    assert "internal error: KeyError" in json.loads(lines[1][len("data: "):])["error"]["message"]
