@@ -16,6 +16,7 @@ live beam can still beat the worst of them (transformers' ``early_stopping=False
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -36,12 +37,16 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or not (
+                1 <= self.beam_width <= MAX_BEAM_WIDTH):
             raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if (not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool)
+                or not math.isfinite(self.length_penalty)):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
 
 @dataclass
@@ -80,17 +85,21 @@ def beam_search(engine: "LLMEngine", prompts: list["PromptType"], params: BeamSe
     done: list[list[BeamSearchSequence]] = []
     for prompt in prompts:
         _, tokens = engine.tokenize_prompt(prompt)
+        engine.check_prompt_length(len(tokens))
         live.append([BeamSearchSequence(list(tokens), len(tokens))])
         done.append([])
     for _ in range(params.max_tokens):
+        for p, beams in enumerate(live):  # a beam that fills max_model_len is finished (by length)
+            full = [b for b in beams if len(b.tokens) >= engine.max_model_len]
+            if full:
+                done[p].extend(full)
+                live[p] = [b for b in beams if len(b.tokens) < engine.max_model_len]
         jobs = [(p, beam) for p, beams in enumerate(live) for beam in beams]
         if not jobs:
             break
         added = []
         try:
             for p, beam in jobs:
-                if len(beam.tokens) >= engine.max_model_len:
-                    continue
                 rid = f"beam-{next(ids)}"
                 engine.add_request(rid, beam.tokens, step_params)
                 added.append((rid, p, beam))

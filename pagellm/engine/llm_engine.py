@@ -307,11 +307,7 @@ class LLMEngine:
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {slo!r}")
         self._check_vocab_params(params)
         text, ids = self.tokenize_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len} (prompt plus at "
-                "least one new token must fit): shorten the prompt or raise --max-model-len"
-            )
+        self.check_prompt_length(len(ids))
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -326,6 +322,14 @@ class LLMEngine:
         for seq in request.seqs:
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """ValueError unless a prompt of ``num_tokens`` leaves room for one new token."""
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {num_tokens} tokens long but max_model_len is {self.max_model_len} (prompt plus at "
+                "least one new token must fit): shorten the prompt or raise --max-model-len"
+            )
 
     def _check_vocab_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: token ids within the vocabulary, and

@@ -111,8 +111,25 @@ def test_beam_search_matches_transformers(checkpoints, name, width):
 def test_beam_search_params_are_validated():
     with pytest.raises(ValueError, match="beam_width must be an integer in"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="beam_width must be an integer in"):
+        BeamSearchParams(beam_width=True, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+
+
+def test_beams_that_reach_max_model_len_finish_by_length(llama_path):
+    llm = LLM(str(llama_path), dtype="float32", max_model_len=64, num_kv_blocks=64, block_size=4)
+    (prompt,) = random_prompts([61], vocab=500, seed=4)
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    # Three tokens fit (61 + 3 = max_model_len): both beams come back with them, like generate().
+    assert [len(s.output_token_ids) for s in out.sequences] == [3, 3]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert len(greedy[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="the prompt is 64 tokens long but max_model_len is 64"):
+        llm.beam_search([prompt + [5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert_all_blocks_free(llm)
 
 
 def test_pinned_prefixes_survive_eviction_and_hit_afterwards(llama_path):
