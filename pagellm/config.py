@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -53,6 +54,12 @@ def read_prompt_file(path: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+# vLLM's --dtype names; "half" and "float" are its aliases of float16 and float32.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+# The seeds torch.Generator.manual_seed accepts.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
     return {"help": help, "aliases": aliases, **kw}
 
@@ -65,8 +72,8 @@ class EngineArgs:
         "Hugging Face model folder (config.json + *.safetensors); none: the embedded tiny default"))
     tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
-        "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16",
-        choices=("auto", "float32", "bfloat16", "float16")))
+        "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16 "
+        "(half and float are aliases)", choices=DTYPE_CHOICES))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda[:N]"))
     seed: int = field(default=0, metadata=_flag("seed for random weights and unseeded sampling"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block, 1 to 256"))
@@ -119,10 +126,17 @@ class EngineArgs:
         positive("max_num_seqs", allow_none=False)
         for name in ("default_ttft_slo", "default_tpot_slo"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive number of seconds, got {v!r}")
-        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
-            raise ValueError(f"swap_space (--swap-space) must be a number of GiB >= 0, got {self.swap_space!r}")
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive, finite number of seconds, "
+                                 f"got {v!r}")
+        if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
+                or not 0 <= self.swap_space < math.inf):
+            raise ValueError(f"swap_space (--swap-space) must be a finite number of GiB >= 0, got {self.swap_space!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        for f in dataclasses.fields(self):
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "sla"):
             raise ValueError(
                 f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, got {self.scheduling_policy!r}")
@@ -131,7 +145,7 @@ class EngineArgs:
                 f"preemption_mode (--preemption-mode) must be auto, swap or recompute, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs a swap pool: give --swap-space > 0")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 256:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size (--block-size) must be an integer in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
@@ -144,7 +158,7 @@ class EngineArgs:
                 raise ValueError("preload_prompts (--preload-prompts) must be a list of non-empty strings")
             if not self.enable_prefix_caching:
                 raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
-        from pagellm.model.loader import DTYPE_CHOICES, LOAD_FORMATS
+        from pagellm.model.loader import LOAD_FORMATS
 
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")

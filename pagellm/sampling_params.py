@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from pagellm.config import SEED_RANGE
+
 
 class RequestOutputKind(enum.Enum):
     """Which outputs a request yields: every step's cumulative state, or only the final one."""
@@ -15,8 +17,6 @@ class RequestOutputKind(enum.Enum):
 
 # Below this, temperature means greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
-# The seeds torch.Generator.manual_seed accepts.
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _is_int(x: object) -> bool:
@@ -114,7 +114,7 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "an integer >= 1, or 0 or -1 to disable it")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "a number in [0, 1] (0 disables it)")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise bad("seed", self.seed, "an integer in [-2**63, 2**64 - 1] (what a torch generator takes) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1 (or None: up to max_model_len)")
@@ -135,6 +135,12 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids
             ):
                 raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "True or False")
+        if self.stop and not self.detokenize:
+            raise bad("stop", self.stop, "None when detokenize=False (stop strings are matched in the text)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if self.logit_bias is not None:

@@ -30,6 +30,11 @@ def test_parse_memory_rejects_nonsense(bad):
         ("kv_cache_memory", "huge", "memory size"),
         ("dtype", "fp8", "dtype"),
         ("load_format", "pt", "load_format"),
+        ("seed", "x", r"seed \(--seed\) must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
+        ("seed", 2**70, r"seed \(--seed\) must be an integer in"),
+        ("enable_prefix_caching", "no", "enable_prefix_caching must be True or False, got 'no'"),
+        ("block_size", True, "block_size"),
+        ("swap_space", float("inf"), "swap_space .* finite"),
     ],
 )
 def test_engine_args_validation_names_the_flag(field, value, match):

@@ -32,6 +32,9 @@ from pagellm import SamplingParams
         (dict(logit_bias={-1: 5.0}), "logit_bias must be a dict of token id (>= 0) -> bias in [-100, 100]"),
         (dict(logit_bias={3: float("nan")}), "logit_bias must be a dict of token id (>= 0)"),
         (dict(temperature="hot"), "temperature must be a number"),
+        (dict(skip_special_tokens="no"), "skip_special_tokens must be True or False, got 'no'"),
+        (dict(ignore_eos=1), "ignore_eos must be True or False, got 1"),
+        (dict(stop=["a"], detokenize=False), "stop must be None when detokenize=False"),
     ],
 )
 def test_invalid_values_are_named(fields, message):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from collections.abc import Iterable
@@ -127,9 +128,16 @@ class LLMEngine:
             str(self.dtype).replace("torch.", ""), self.max_model_len, num_blocks / needed,
         )
         num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
-        self.cache_engine = CacheEngine(
-            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device, num_cpu_blocks
-        )
+        try:
+            self.cache_engine = CacheEngine(
+                num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device, num_cpu_blocks
+            )
+        except (RuntimeError, MemoryError) as e:  # the allocator's "can't allocate memory", CUDA's out of memory
+            raise ValueError(
+                f"cannot allocate the KV cache: {num_blocks} blocks ({num_blocks * block_bytes / 2**30:.1f} GiB) on "
+                f"{self.device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
+                f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
+            ) from e
         self.kv_cache_manager = KVCacheManager(
             num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
         )
@@ -263,12 +271,14 @@ class LLMEngine:
             ids = list(prompt)
             if not ids:
                 raise ValueError("the prompt is empty: give at least one token id")
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            # Any integer type (numpy's too, as a tokenizer's arrays hold them), never a bool.
+            bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                   or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(
                     f"prompt token ids must be integers in [0, {self.vocab_size}) for this model; got {bad[:5]}"
                 )
-            return None, ids
+            return None, [int(t) for t in ids]
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def make_request(

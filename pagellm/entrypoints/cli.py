@@ -76,7 +76,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     from pagellm.entrypoints.openai.api_server import add_serve_parser

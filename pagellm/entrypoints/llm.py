@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence as Seq
 from typing import Any, Optional, Union
 
@@ -21,10 +22,13 @@ Message = dict[str, Any]
 def _as_prompt_list(prompts: Union[PromptType, Seq[PromptType]]) -> list[PromptType]:
     """One prompt (text, token ids or a dict) or a list of them -> a list."""
     if isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral)
     ):
         return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be one prompt (a string, a list of token ids or a dict) or a list of them, "
+                        f"not {type(prompts).__name__}")
+    return list(prompts)
 
 
 class LLM:
@@ -78,6 +82,10 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(p, SamplingParams) for p in sampling_params):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), not "
+                                f"{type(sampling_params).__name__}")
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(

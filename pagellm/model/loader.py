@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.config import DTYPE_CHOICES
 from pagellm.model.packed_linear import pack_linear_layers
 from pagellm.model.registry import model_class_for
 
@@ -24,14 +25,18 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but PyTorch sees no CUDA device; use --device cpu or auto")
     return dev
@@ -92,7 +97,12 @@ def resolve_dtype(dtype: str, folder: Path | None, device: torch.device) -> torc
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map weight names to shard file names")
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -108,12 +118,15 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read the weights file {file}: {e} (is it truncated, or not safetensors?)") from e
 
 
 def load_model(

@@ -93,7 +93,7 @@ def test_scheduler_flags_are_validated(llama_path):
         EngineArgs(scheduling_policy="lifo")
     with pytest.raises(ValueError, match="preemption_mode 'swap' needs a swap pool"):
         EngineArgs(preemption_mode="swap", swap_space=0)
-    with pytest.raises(ValueError, match="default_ttft_slo .* positive number of seconds"):
+    with pytest.raises(ValueError, match="default_ttft_slo .* positive, finite number of seconds"):
         EngineArgs(default_ttft_slo=-1)
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
     with pytest.raises(ValueError, match="ttft_slo must be a positive, finite number"):

@@ -38,6 +38,20 @@ def test_bad_flags_exit_non_zero_with_a_message(llama_path, tmp_path):
     assert r.returncode == 2 and "top_p must be a number in (0, 1]" in r.stderr
     r = subprocess.run(cmd + ["--dtype", "int4", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    for flags, words in [
+        (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--swap-space", "inf"], "swap_space (--swap-space) must be a finite number"),
+        (["--swap-space", "nan"], "swap_space (--swap-space) must be a finite number"),
+        (["--default-ttft-slo", "nan"], "default_ttft_slo (--default-ttft-slo) must be a positive, finite number"),
+        (["--seed", str(2**64)], "seed (--seed) must be an integer in"),
+        (["--sampling-seed", str(2**64)], "seed must be an integer in"),
+    ]:
+        r = subprocess.run(cmd + ["--model", str(llama_path), *flags, "x"], capture_output=True, text=True)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+    r = subprocess.run([*cmd[:-1], "--log-level", "bogus", "generate", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = subprocess.run([*cmd[:-1], "serve", str(llama_path), "--shutdown-timeout", "-1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--shutdown-timeout must be a finite number of seconds >= 0" in r.stderr
 
 
 def test_scheduler_and_sharing_flags():

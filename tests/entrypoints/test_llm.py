@@ -90,3 +90,25 @@ def test_argument_errors_are_clear(llm, llama_path):
     with pytest.raises(ValueError, match=r"block_size \(--block-size\) must be an integer in \[1, 256\]"):
         LLM(str(llama_path), block_size=512)
     assert_all_blocks_free(llm)
+
+
+def test_prompts_and_params_of_the_wrong_type_are_named(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate(["a"], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate(["a"], [{"max_tokens": 3}], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be one prompt .* or a list of them, not NoneType"):
+        llm.generate(None, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="skip_special_tokens must be True or False"):
+        llm.generate(["a"], SamplingParams(skip_special_tokens="no"), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_numpy_token_ids_are_taken_like_ints(llm):
+    import numpy as np
+
+    ids = [5, 6, 7, 8]
+    (a,) = llm.generate([ids], GREEDY, use_tqdm=False)
+    (b,) = llm.generate([list(np.array(ids, dtype=np.int64))], GREEDY, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert b.prompt_token_ids == ids and all(type(t) is int for t in b.prompt_token_ids)

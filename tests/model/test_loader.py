@@ -122,3 +122,27 @@ def test_kv_cache_memory_sizes_the_pool(llama_path, caplog):
     assert llm.llm_engine.kv_cache_manager.num_blocks == 64
     line = next(r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage())
     assert "64 blocks of 16 tokens = 1024 tokens" in line and "max concurrency at max_model_len=64: 16.00x" in line
+
+
+def test_unreadable_weights_name_their_file(llama_path, tmp_path):
+    folder = copy_ckpt(llama_path, tmp_path / "truncated")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cannot read the weights file .*model.safetensors: .*truncated"):
+        LLM(str(folder), max_model_len=64, num_kv_blocks=8)
+    index = folder / "model.safetensors.index.json"
+    index.write_text("{not json")
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors index"):
+        LLM(str(folder), max_model_len=64, num_kv_blocks=8)
+
+
+def test_devices_and_dtype_aliases(llama_path):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        LLM(str(llama_path), device="tpu", max_model_len=64, num_kv_blocks=8)
+    half = LLM(str(llama_path), dtype="half", max_model_len=64, num_kv_blocks=8)  # vLLM's alias of float16
+    assert half.llm_engine.cache_engine.kv_caches[0][0].dtype == torch.float16
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_with_the_flags_to_lower(llama_path):
+    with pytest.raises(ValueError, match=r"cannot allocate the KV cache: .* lower --kv-cache-memory, --num-kv-blocks"):
+        LLM(str(llama_path), max_model_len=64, kv_cache_memory="100TiB")

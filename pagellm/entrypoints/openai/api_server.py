@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import hmac
 import logging
+import math
 import os
 import signal
 import time
@@ -257,6 +258,8 @@ def run_server(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     max_body = parse_memory(args.max_request_body_size)
