@@ -136,7 +136,8 @@ class EngineArgs:
             raise ValueError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+                raise ValueError(f"{f.name} (--{f.name.replace('_', '-')}) must be True or False, "
+                                 f"got {getattr(self, f.name)!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "sla"):
             raise ValueError(
                 f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, got {self.scheduling_policy!r}")

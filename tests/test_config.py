@@ -32,7 +32,7 @@ def test_parse_memory_rejects_nonsense(bad):
         ("load_format", "pt", "load_format"),
         ("seed", "x", r"seed \(--seed\) must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"),
         ("seed", 2**70, r"seed \(--seed\) must be an integer in"),
-        ("enable_prefix_caching", "no", "enable_prefix_caching must be True or False, got 'no'"),
+        ("enable_prefix_caching", "no", r"enable_prefix_caching \(--enable-prefix-caching\) must be True or False"),
         ("block_size", True, "block_size"),
         ("swap_space", float("inf"), "swap_space .* finite"),
     ],

@@ -31,6 +31,10 @@ from pagellm.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+
+class ChatTemplateSyntaxError(ValueError):
+    """A chat template that does not parse: the server's (or caller's) fault, not the messages'."""
+
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -132,7 +136,10 @@ class LLMEngine:
             self.cache_engine = CacheEngine(
                 num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, self.dtype, self.device, num_cpu_blocks
             )
-        except (RuntimeError, MemoryError) as e:  # the allocator's "can't allocate memory", CUDA's out of memory
+        except (RuntimeError, MemoryError) as e:
+            # Only the allocators' refusals (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+                raise
             raise ValueError(
                 f"cannot allocate the KV cache: {num_blocks} blocks ({num_blocks * block_bytes / 2**30:.1f} GiB) on "
                 f"{self.device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
@@ -245,6 +252,8 @@ class LLMEngine:
             ids = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
             )
+        except jinja2.TemplateSyntaxError as e:  # the template's fault, not the messages'
+            raise ChatTemplateSyntaxError(f"the chat template is not valid Jinja (line {e.lineno}): {e.message}") from e
         except jinja2.TemplateError as e:  # the template's own refusal (raise_exception), e.g. roles not alternating
             raise ValueError(f"the chat template refused these messages: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding

@@ -53,12 +53,6 @@ class Sampler:
         params = [s.params for s in seqs]
         if any(_needs_processing(s) for s in seqs):
             logits = self._process(logits.clone(), seqs)
-            # A row left with no finite logit (every token banned) would sample an id outside the
-            # vocabulary: it keeps its unprocessed logits. (The engine refuses the requests it knows
-            # would do this; this keeps one that slips through from failing everyone's step.)
-            dead = torch.isneginf(logits).all(dim=1)
-            if bool(dead.any()):
-                logits[dead] = raw[dead]
         # Chosen tokens' logprobs only where some request asks for them (as in vLLM): without, a
         # greedy step needs just the argmax, not a pass of exponentials over every logit.
         scored = [p.scores_samples for p in params]
@@ -105,7 +99,10 @@ class Sampler:
                 logits[row, ids.to(logits.device)] += vals.to(logits.device)
             if seq.num_output_tokens < p.min_tokens:
                 banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < vocab]
-                if banned:
+                # Banning every token would leave nothing to sample (an id outside the vocabulary):
+                # the engine refuses such requests; one that slips through is not banned at all
+                # rather than fail everyone's step.
+                if banned and len(set(banned)) < vocab:
                     logits[row, banned] = float("-inf")
         self._apply_penalties(logits, seqs)
         return logits

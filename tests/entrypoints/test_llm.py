@@ -72,6 +72,8 @@ def test_chat_uses_the_chat_template(llm):
              "{% endif %}{{ messages[0]['content'] }}"
     with pytest.raises(ValueError, match="the chat template refused these messages: the first message must be"):
         llm.chat(conv, GREEDY, use_tqdm=False, chat_template=strict)
+    with pytest.raises(ValueError, match=r"the chat template is not valid Jinja \(line 1\)"):
+        llm.chat(conv, GREEDY, use_tqdm=False, chat_template="{% for %}")
     assert_all_blocks_free(llm)
 
 

@@ -128,6 +128,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
         finally:
             in_flight = async_engine.num_in_flight()
             await async_engine.stop()
+            serving.close()
             logger.info("engine stopped; aborted %d request(s) still in flight", in_flight)
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
@@ -242,8 +243,11 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
             raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
                              "(one with {{ ... }} or {% ... %})")
         template = path.read_text()
+    # Compiled the way transformers renders it (its sandbox and extensions: break/continue, generation).
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
-        jinja2.Environment().parse(template)
+        _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template does not parse as Jinja (line {e.lineno}): {e.message}") from e
     return template

@@ -63,6 +63,8 @@ def _is_union_tag(part: object) -> bool:
 def _union_error(errors: list[dict]) -> Optional[APIError]:
     """One message for a field that takes several types (``prompt``, ``stop``, a message's ``content``):
     pydantic reports a failure per member, and the first alone names a member, not the field."""
+    if errors[0].get("type") == "extra_forbidden":  # an unknown key may well be spelled "str"
+        return None
     loc = tuple(errors[0].get("loc", ()))
     at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
     if at is None:
@@ -75,6 +77,8 @@ def _union_error(errors: list[dict]) -> Optional[APIError]:
                 tags.append(other[at])
             if len(other) == at + 1:  # this member's check saw the field's whole value
                 value = err.get("input")
+    if len(tags) < 2:  # not a union after all: a dict key the client chose, like logit_bias {"int": ...}
+        return None
     words = [_describe(t) for t in tags]
     expected = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
     name = ".".join(str(p) for p in field)

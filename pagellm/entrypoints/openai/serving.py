@@ -15,7 +15,8 @@ from typing import Any, Optional, TypeVar
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagellm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from pagellm.engine.llm_engine import ChatTemplateSyntaxError
 from pagellm.engine.detokenizer import stop_prefix_len
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_value_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -71,6 +72,9 @@ class OpenAIServing:
         # every other client's stream; one thread, so requests' tokenizations never overlap.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")
 
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizing thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
@@ -107,6 +111,10 @@ class OpenAIServing:
             for s in streams:
                 s.abort()
             raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
+        except EngineDeadError as e:  # shutting down
+            for s in streams:
+                s.abort()
+            raise APIError(503, f"the engine is not running ({e}): retry on another server") from e
         except ValueError as e:
             for s in streams:
                 s.abort()
@@ -348,8 +356,14 @@ class OpenAIServing:
             conversation.append({"role": role, "content": content or ""})
         try:
             return self.llm.apply_chat_template(conversation, self.chat_template, add_generation_prompt)
+        except ChatTemplateSyntaxError as e:  # the server's template is broken: not the client's doing
+            raise APIError(500, str(e)) from e
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        ids = self.chat_prompt_ids(messages, add_generation_prompt)
+        return self.tokenizer.decode(ids), ids
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
@@ -366,7 +380,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", param=limit_name)
-        ids = await self.off_loop(self.chat_prompt_ids, req.messages, req.add_generation_prompt)
+        text, ids = await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt)
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(ids))
         try:
@@ -375,7 +389,7 @@ class OpenAIServing:
         except ValueError as e:
             raise from_value_error(e) from e
         self._check_length(len(ids), max_tokens, what="messages", max_tokens_name=limit_name)
-        job = self._start([(await self.off_loop(self.tokenizer.decode, ids), ids)], params, req, "chatcmpl")
+        job = self._start([(text, ids)], params, req, "chatcmpl")
         created = int(time.time())
         rid = job.streams[0].request_id
         if req.stream:

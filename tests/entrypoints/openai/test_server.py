@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pagellm.entrypoints.openai.api_server import load_chat_template
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.serving import ending_with_an_error_event, sse
 from tests.entrypoints.openai.server_utils import RemoteServer
@@ -457,6 +458,8 @@ def test_chat_template_flag_and_its_refusals(llama_path, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(llama_path),
                           "--chat-template", "{% for %}"], capture_output=True, text=True)
     assert bad.returncode == 2 and "does not parse as Jinja" in bad.stderr
+    # What transformers' renderer takes (loop controls, generation blocks) passes the check.
+    assert load_chat_template("{% for m in messages %}{% break %}{% endfor %}{% generation %}x{% endgeneration %}")
 
 
 # ------------------------------------------------ failures after the 200
@@ -474,3 +477,10 @@ def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event():
     assert err["message"] == "generation failed: engine step failed: boom" and err["type"] == "internal_server_error"
     lines = asyncio.run(collect(KeyError("index")))  # a bug: still an event the client can read
     assert "internal error: KeyError" in json.loads(lines[1][len("data: "):])["error"]["message"]
+
+
+def test_unknown_keys_spelled_like_types_are_still_unknown_fields(server):
+    r = httpx.post(server.url + "/v1/completions", json={**GOOD, "str": 1}, headers=server.headers)
+    assert r.status_code == 400 and "unknown field 'str'" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={**GOOD, "logit_bias": {"int": "x"}}, headers=server.headers)
+    assert r.status_code == 400 and "a valid number" in r.json()["error"]["message"], r.text
