@@ -9,7 +9,9 @@ from typing import Any
 from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, write_json
 from pagellm.bench.roofline import model_cost
-from pagellm.bench.throughput import add_common_args, build_workload, engine_kwargs, plot_kv_usage, resolve_model
+from pagellm.bench.throughput import (
+    add_common_args, build_workload, engine_kwargs, longest_request, plot_kv_usage, prepare,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,10 +23,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    model, model_name = resolve_model(args)
-    workload = build_workload(args, AutoConfig.from_pretrained(str(model)).vocab_size)
+    model, model_name, config = prepare(args)
+    longest, limit = longest_request(args), getattr(config, "max_position_embeddings", None)
+    if args.max_model_len < longest:
+        raise ValueError(f"--max-model-len {args.max_model_len} is shorter than the workload's longest request "
+                         f"({longest} tokens): a contiguous server of that length could not take it")
+    if limit is not None and args.max_model_len > limit:
+        raise ValueError(f"--max-model-len {args.max_model_len} is more than {model_name}'s max_position_embeddings "
+                         f"({limit}): no server of this model reserves that much")
+    workload = build_workload(args, config.vocab_size)
     res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
     engine = llm.llm_engine
     cost = model_cost(llm)
@@ -37,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     # Concurrency at the peak: the sequences that held blocks then.
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens)]
     peak_seqs = max(1, peak.kv_sequences)
-    max_len = max(args.max_model_len, max(lengths))
+    max_len = args.max_model_len
     paged_bytes = peak.kv_blocks_in_use * block_bytes
     contiguous_bytes = peak_seqs * max_len * per_token
     static_len = max(len(p) for p in workload.prompts) + max(workload.output_lens)

@@ -16,6 +16,7 @@ import asyncio
 import importlib.util
 import json
 import logging
+import math
 import random
 import shutil
 import statistics
@@ -30,7 +31,8 @@ from typing import Any, Optional
 import httpx
 
 from pagellm.bench.report import append_markdown_row, line_plot, write_json
-from pagellm.bench.throughput import add_common_args, build_workload, resolve_model
+from pagellm.bench import BenchError
+from pagellm.bench.throughput import add_common_args, build_workload, prepare
 from pagellm.bench.workloads import Workload
 
 
@@ -132,12 +134,20 @@ def summarize(traces: list[RequestTrace], duration: float, goodput: dict[str, fl
 
 
 def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
+    if items is not None and not items:
+        raise ValueError("--goodput needs at least one KEY:MS, e.g. --goodput ttft:500 tpot:50")
     out = {}
     for item in items or []:
         key, _, value = item.partition(":")
         if key not in ("ttft", "tpot", "e2el") or not value:
             raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-        out[key] = float(value)
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not 0 < ms < math.inf:
+            raise ValueError(f"--goodput {key}: the limit must be a positive number of milliseconds, got {value!r}")
+        out[key] = ms
     return out
 
 
@@ -146,6 +156,24 @@ def _temperature(text: str) -> float:
     if not 0.0 <= value <= 2.0:  # the OpenAI API's range
         raise argparse.ArgumentTypeError(f"{text} is not a temperature in [0, 2]")
     return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} is not a request rate: give requests/s > 0, or inf")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+    return value
+
+
+# Flags that shape the server bench serve launches; a --base-url server keeps its own settings.
+_LAUNCH_FLAGS = ("dtype", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -157,20 +185,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default=None, help="load an already running server instead of launching one")
     p.add_argument("--served-model-name", default=None, help="the model name the server expects")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+    p.add_argument("--request-rate", type=_rate, nargs="+", default=[float("inf")],
                    help="requests/s (Poisson); several values run one after the other; inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=_at_least_one, default=None)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature of every request (default 0: greedy, as vllm bench serve)")
     p.add_argument("--label", default=None, help="name of the --base-url server in the results (default: external)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, launch_flag_defaults={name: p.get_default(name) for name in _LAUNCH_FLAGS})
 
 
 def _pagellm_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", args.dtype,
-            "--kv-cache-memory", args.kv_cache_memory, "--block-size", str(args.block_size)]
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--port", str(port), "--dtype", args.dtype,
+           "--kv-cache-memory", args.kv_cache_memory, "--block-size", str(args.block_size),
+           "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return cmd
 
 
 def _transformers_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
@@ -178,10 +210,10 @@ def _transformers_command(model: str, port: int, args: argparse.Namespace) -> li
     beside = Path(sys.executable).with_name("transformers")
     cli = str(beside) if beside.exists() else shutil.which("transformers")
     if cli is None:
-        raise RuntimeError("--server transformers needs the `transformers` command; it was not found beside "
+        raise BenchError("--server transformers needs the `transformers` command; it was not found beside "
                            f"{sys.executable} nor on PATH")
     if importlib.util.find_spec("accelerate") is None:
-        raise RuntimeError("--server transformers needs `accelerate` (transformers serve loads models with it): "
+        raise BenchError("--server transformers needs `accelerate` (transformers serve loads models with it): "
                            "pip install 'pagellm[bench]'")
     return [cli, "serve", model, "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
             "--host", "127.0.0.1", "--port", str(port)]
@@ -207,7 +239,7 @@ def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subproce
     try:
         wait_healthy(url, proc)
     except RuntimeError as e:
-        raise RuntimeError(f"{e}; its output is in {log_path}") from None
+        raise BenchError(f"{e}; its output is in {log_path}") from None
     return proc, url
 
 
@@ -223,7 +255,7 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
     (trace,), _ = asyncio.run(run_load(base_url, served, warm, [warm_prompt], float("inf"), None, headers,
                                        sampling, args.seed))
     if not trace.ok:
-        raise RuntimeError(f"the {label} server failed the warm-up request: {trace.error}")
+        raise BenchError(f"the {label} server at {base_url} failed the warm-up request: {trace.error}")
     results = {}
     for rate, workload, prompts in loads:
         traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
@@ -242,6 +274,9 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
             print(f"    goodput {summary['goodput_requests_per_s']:.2f} req/s under {goodput}")
         for err in summary["errors"]:
             print(f"    error: {err}")
+    if not any(s["completed"] for s in results.values()):
+        raise BenchError(f"every request to the {label} server failed (nothing measured, nothing written); "
+                         f"first errors: {'; '.join(next(iter(results.values()))['errors'])}")
     return results
 
 
@@ -282,18 +317,27 @@ def _compare(all_results: dict[str, dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     servers = args.server or ["pagellm"]
+    if args.workload == "parallel":
+        raise ValueError("bench serve sends one completion per request: the parallel workload (n > 1) is "
+                         "measured by `pagellm bench throughput --workload parallel`")
     if args.base_url is not None and args.server:
         raise ValueError("--server launches a server and --base-url loads a running one: give one of them")
     if args.base_url is None and args.label is not None:
         raise ValueError("--label names a --base-url server; launched servers are named by --server")
     if len(set(servers)) != len(servers):
         raise ValueError(f"--server given twice for the same server: {' '.join(servers)}")
-    model, model_name = resolve_model(args)
-    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
+    if args.base_url is not None:
+        changed = [name for name, default in args.launch_flag_defaults.items() if getattr(args, name) != default]
+        if changed:
+            raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in changed)} shape a server bench serve "
+                             "launches; a --base-url server keeps its own settings: drop them")
+    goodput = parse_goodput(args.goodput)
+    model, model_name, config = prepare(args)
+    vocab = config.vocab_size
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     # Each rate gets its own requests (seed, seed + 1, ...), the same for every server: repeating the
     # previous rate's prompts would let a prefix cache answer them from memory.
@@ -306,7 +350,6 @@ def run(args: argparse.Namespace) -> int:
     # workload, so a prefix cache gains nothing from it.
     warm_ids = workload.prompts[0][::-1][:16]
     warm_up = (Workload("warm-up", [warm_ids], [min(4, workload.output_lens[0])]), tokenizer.decode(warm_ids))
-    goodput = parse_goodput(args.goodput)
     all_results: dict[str, dict[str, Any]] = {}
     if args.base_url is not None:
         label = args.label or "external"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -10,6 +12,8 @@ from typing import Any, Optional
 from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
+from pagellm.config import parse_memory
+from pagellm.model.loader import check_model_folder
 from pagellm.bench.workloads import (
     MODEL_PRESETS, Workload, bench_model_path, parallel_workload, random_workload, shared_prefix_workload,
 )
@@ -35,6 +39,68 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT)
 
 
+# Workloads draw with seed, seed + 1, ... (shared prefixes, one workload per serving rate): room is
+# left below the top of what a torch generator takes.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Refuse, before any work, flags no run could honour; each message names its flag."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{flag} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise ValueError(f"--seed must be an integer in [-2**63, 2**63 - 1], got {args.seed}")
+    if args.workload == "shared-prefix" and args.prefix_len < 1:
+        raise ValueError(f"--prefix-len must be >= 1 for the shared-prefix workload, got {args.prefix_len}")
+    if args.workload == "parallel" and args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    if not 1 <= args.block_size <= 256:
+        raise ValueError(f"--block-size must be in [1, 256], got {args.block_size}")
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    try:
+        parse_memory(args.kv_cache_memory)
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-memory: {e}") from None
+    if args.model:
+        check_model_folder(args.model)
+    # The results go there: a folder that cannot be written is found now, not after the run.
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {str(args.output_dir)!r} cannot be created: {e.strerror}") from None
+    if not os.access(args.output_dir, os.W_OK):
+        raise ValueError(f"--output-dir {str(args.output_dir)!r} is not writable")
+
+
+def longest_request(args: argparse.Namespace) -> int:
+    """Tokens of the longest request the flags can draw (prompt, shared prefix and output)."""
+    prefix = args.prefix_len if args.workload == "shared-prefix" else 0
+    return prefix + args.prompt_len[1] + args.output_len[1]
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, str, Any]:
+    """Checked flags, then (model folder, model name, its transformers config); refuses workloads
+    longer than the model's positions."""
+    from transformers import AutoConfig
+
+    check_common_args(args)
+    model, model_name = resolve_model(args)
+    config = AutoConfig.from_pretrained(str(model))
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = longest_request(args)
+    if limit is not None and longest > limit:
+        parts = "--prefix-len + " if args.workload == "shared-prefix" else ""
+        raise ValueError(f"the longest request is {longest} tokens ({parts}--prompt-len MAX + --output-len MAX), "
+                         f"more than {model_name}'s max_position_embeddings ({limit}): lower them")
+    return model, model_name, config
+
+
 def build_workload(args: argparse.Namespace, vocab: int, seed: Optional[int] = None) -> Workload:
     """The workload the flags describe, drawn with ``seed`` (default ``--seed``)."""
     prompt, output = tuple(args.prompt_len), tuple(args.output_len)
@@ -55,7 +121,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
 def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     kw = {"block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
           **extra}
-    if args.max_num_batched_tokens:
+    if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
 
@@ -70,12 +136,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    model, model_name = resolve_model(args)
-    vocab = AutoConfig.from_pretrained(str(model)).vocab_size
-    workload = build_workload(args, vocab)
     backends = args.backend or list(be.BACKENDS)
+    if len(set(backends)) != len(backends):
+        raise ValueError(f"--backend given twice for the same backend: {' '.join(backends)}")
+    if any(size < 1 for size in args.hf_batch_sizes):
+        raise ValueError(f"--hf-batch-sizes must all be >= 1, got {' '.join(map(str, args.hf_batch_sizes))}")
+    model, model_name, config = prepare(args)
+    workload = build_workload(args, config.vocab_size)
     print(f"workload {workload.name}: {workload.num_requests} requests x n={workload.n}, "
           f"{workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens; model {model_name} "
           f"({args.dtype})")

@@ -91,11 +91,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagellm.bench import BenchError
+
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as e:
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 2
+    except BenchError as e:  # the input was fine; the run could not go on
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

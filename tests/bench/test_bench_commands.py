@@ -108,3 +108,71 @@ def test_goodput_parsing():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     with pytest.raises(ValueError, match="ttft:MS"):
         parse_goodput(["latency:5"])
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("throughput", ["--prompt-len", "8", "4"], "--prompt-len MIN MAX needs 1 <= MIN <= MAX, got 8 4"),
+    ("memory", ["--output-len", "-2", "3"], "--output-len MIN MAX needs 1 <= MIN <= MAX, got -2 3"),
+    ("serve", ["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    ("throughput", ["--seed", str(2**64)], "--seed must be an integer in"),
+    ("throughput", ["--workload", "shared-prefix", "--prefix-len", "-5"], "--prefix-len must be >= 1"),
+    ("throughput", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+    ("throughput", ["--hf-batch-sizes", "-1"], "--hf-batch-sizes must all be >= 1"),
+    ("throughput", ["--backend", "pagellm", "--backend", "pagellm"], "--backend given twice"),
+    ("throughput", ["--prompt-len", "3000", "5000"], "the longest request is 5012 tokens (--prompt-len MAX + "
+                                                     "--output-len MAX), more than tiny-llama's max_position_embeddings"),
+    ("throughput", ["--model", "/nonexistent/model"], "does not exist"),
+    ("memory", ["--max-model-len", "0"], "--max-model-len 0 is shorter than the workload's longest request"),
+    ("memory", ["--max-model-len", "100000000"], "more than tiny-llama's max_position_embeddings"),
+    ("serve", ["--workload", "parallel"], "the parallel workload (n > 1) is measured by"),
+    ("serve", ["--base-url", "http://127.0.0.1:9", "--block-size", "8"],
+     "--dtype, --block-size, --kv-cache-memory shape a server bench serve launches"),
+    ("serve", ["--goodput"], "--goodput needs at least one KEY:MS"),
+    ("serve", ["--goodput", "ttft:-5"], "the limit must be a positive number of milliseconds"),
+    ("serve", ["--goodput", "ttft:abc"], "the limit must be a positive number of milliseconds"),
+])
+def test_bench_flags_are_refused_before_any_work(tmp_path, capsys, command, flags, message):
+    assert main(["bench", command, *TINY, *flags, "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bench_output_dir_that_cannot_be_created_is_refused_first(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["bench", "memory", *TINY, "--output-dir", str(tmp_path / "afile")]) == 2
+    assert "--output-dir" in (err := capsys.readouterr().err) and "cannot be created" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_bench_serve_rejects_a_request_rate_that_is_not_positive(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", *TINY, f"--request-rate={value}", "--output-dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "is not a request rate" in capsys.readouterr().err
+
+
+def test_bench_serve_against_nothing_is_a_one_line_error(tmp_path, capsys):
+    from pagellm.entrypoints.openai.launch import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    workload = TINY[:2] + TINY[4:-2]  # no flags for a server to launch: a --base-url server has its own
+    assert main(["bench", "serve", *workload, "--base-url", url, "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "pagellm: error: the external server at" in err and "failed the warm-up request" in err
+    assert "Traceback" not in err
+
+
+def test_bench_serve_where_every_request_fails_measures_nothing_and_says_so(tmp_path, capsys):
+    from pagellm.bench.workloads import bench_model_path
+    from tests.entrypoints.openai.server_utils import RemoteServer
+
+    srv = RemoteServer(bench_model_path("tiny-llama", "bfloat16"),
+                       ["--max-model-len", "64", "--served-model-name", "tiny-llama", "--kv-cache-memory", "16MiB"])
+    try:
+        # Prompts longer than the server's max_model_len: every measured request gets a 400.
+        rc = main(["bench", "serve", "--model-preset", "tiny-llama", "--num-prompts", "2", "--prompt-len", "100",
+                   "120", "--output-len", "2", "4", "--base-url", srv.url, "--output-dir", str(tmp_path)])
+    finally:
+        srv.stop()
+    err = capsys.readouterr().err
+    assert rc == 1 and "every request to the external server failed" in err and "maximum context length" in err
+    assert not list(tmp_path.glob("serve-*.json"))
