@@ -23,11 +23,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, model_name, config = prepare(args)
-    longest, limit = longest_request(args), getattr(config, "max_position_embeddings", None)
+    longest = longest_request(args)
     if args.max_model_len < longest:
         raise ValueError(f"--max-model-len {args.max_model_len} is shorter than the workload's longest request "
-                         f"({longest} tokens): a contiguous server of that length could not take it")
+                         f"({longest} tokens): a contiguous server of that length could not take it; raise "
+                         "--max-model-len")
+    model, model_name, config = prepare(args)
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and args.max_model_len > limit:
         raise ValueError(f"--max-model-len {args.max_model_len} is more than {model_name}'s max_position_embeddings "
                          f"({limit}): no server of this model reserves that much")

@@ -84,6 +84,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
         trace.ok = True
     except httpx.HTTPError as e:
         trace.error = str(e)
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:  # not OpenAI's stream format
+        trace.error = f"the server's stream is not OpenAI's format: {type(e).__name__}: {e}"
     return trace
 
 
@@ -159,21 +161,29 @@ def _temperature(text: str) -> float:
 
 
 def _rate(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"{text} is not a request rate: give requests/s > 0, or inf")
     return value
 
 
 def _at_least_one(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
     return value
 
 
-# Flags that shape the server bench serve launches; a --base-url server keeps its own settings.
-_LAUNCH_FLAGS = ("dtype", "block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
+# Engine flags of the pagellm server bench serve launches. Their parser default is None, so that
+# giving one (even at its usual value) with --base-url, whose server keeps its own settings, or with
+# only --server transformers, which has no such settings, is refused rather than ignored.
+_PAGELLM_FLAGS = ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -193,7 +203,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature of every request (default 0: greedy, as vllm bench serve)")
     p.add_argument("--label", default=None, help="name of the --base-url server in the results (default: external)")
-    p.set_defaults(func=run, launch_flag_defaults={name: p.get_default(name) for name in _LAUNCH_FLAGS})
+    usual = {name: p.get_default(name) for name in _PAGELLM_FLAGS}
+    p.set_defaults(func=run, pagellm_flag_defaults=usual, **{name: None for name in _PAGELLM_FLAGS})
+
+
+def resolve_engine_flags(args: argparse.Namespace, servers: list[str]) -> None:
+    """Refuse engine flags no server would take; give the others their usual values."""
+    given = ", ".join("--" + n.replace("_", "-") for n in _PAGELLM_FLAGS if getattr(args, n) is not None)
+    if given and args.base_url is not None:
+        raise ValueError(f"{given}: engine flags of a server bench serve launches; a --base-url server keeps "
+                         "its own settings: drop them")
+    if given and "pagellm" not in servers:
+        raise ValueError(f"{given}: engine flags of a launched pagellm server; `transformers serve` has no such "
+                         "settings: drop them")
+    for name, usual in args.pagellm_flag_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, usual)
 
 
 def _pagellm_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
@@ -205,17 +230,21 @@ def _pagellm_command(model: str, port: int, args: argparse.Namespace) -> list[st
     return cmd
 
 
-def _transformers_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
-    # transformers' own console script: the one installed beside this interpreter, else the one on PATH.
+def _transformers_cli() -> str:
+    """transformers' own console script: the one installed beside this interpreter, else the one on PATH."""
     beside = Path(sys.executable).with_name("transformers")
     cli = str(beside) if beside.exists() else shutil.which("transformers")
     if cli is None:
         raise BenchError("--server transformers needs the `transformers` command; it was not found beside "
-                           f"{sys.executable} nor on PATH")
+                         f"{sys.executable} nor on PATH")
     if importlib.util.find_spec("accelerate") is None:
         raise BenchError("--server transformers needs `accelerate` (transformers serve loads models with it): "
-                           "pip install 'pagellm[bench]'")
-    return [cli, "serve", model, "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
+                         "pip install 'pagellm[bench]'")
+    return cli
+
+
+def _transformers_command(model: str, port: int, args: argparse.Namespace) -> list[str]:
+    return [_transformers_cli(), "serve", model, "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
             "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -226,26 +255,27 @@ SERVERS: dict[str, tuple[Callable[[str, int, argparse.Namespace], list[str]], bo
 }
 
 
-def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
     """Start ``server`` on a free port, its output going to ``server-<name>.log`` in the output folder."""
     from pagellm.entrypoints.openai.launch import free_port, wait_healthy
 
     port = free_port()
+    command = SERVERS[server][0](model, port, args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     log_path = args.output_dir / f"server-{server}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(SERVERS[server][0](model, port, args), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
     except RuntimeError as e:
         raise BenchError(f"{e}; its output is in {log_path}") from None
-    return proc, url
+    return proc, url, log_path
 
 
 def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float, Workload, list[str]]],
                  warm_up: tuple[Workload, str], args: argparse.Namespace, goodput: dict[str, float],
-                 ignore_eos: bool) -> dict[str, Any]:
+                 ignore_eos: bool, log_path: Optional[Path] = None) -> dict[str, Any]:
     """Each (rate, workload, text prompts) of ``loads`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     sampling: dict[str, Any] = {"temperature": args.temperature, **({"ignore_eos": True} if ignore_eos else {})}
@@ -255,7 +285,8 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
     (trace,), _ = asyncio.run(run_load(base_url, served, warm, [warm_prompt], float("inf"), None, headers,
                                        sampling, args.seed))
     if not trace.ok:
-        raise BenchError(f"the {label} server at {base_url} failed the warm-up request: {trace.error}")
+        where = f" (its output is in {log_path})" if log_path else ""
+        raise BenchError(f"the {label} server at {base_url} failed the warm-up request: {trace.error}{where}")
     results = {}
     for rate, workload, prompts in loads:
         traces, duration = asyncio.run(run_load(base_url, served, workload, prompts, rate, args.max_concurrency,
@@ -275,7 +306,8 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
         for err in summary["errors"]:
             print(f"    error: {err}")
     if not any(s["completed"] for s in results.values()):
-        raise BenchError(f"every request to the {label} server failed (nothing measured, nothing written); "
+        raise BenchError(f"every request to the {label} server failed (nothing measured for it, nothing written "
+                         "for it); "
                          f"first errors: {'; '.join(next(iter(results.values()))['errors'])}")
     return results
 
@@ -287,6 +319,8 @@ def _write_results(label: str, workload: Workload, model_name: str, goodput: dic
                "temperature": temperature, "goodput_slo_ms": goodput, "results": results}
     print(f"wrote {write_json(out / f'{stem}.json', payload)}")
     for rate, s in results.items():
+        if not s["completed"]:  # no measurement: the JSON keeps its errors, the table no row of zeros
+            continue
         append_markdown_row(
             out / "serve.md",
             ["date", "server", "workload", "model", "rate", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
@@ -330,11 +364,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--label names a --base-url server; launched servers are named by --server")
     if len(set(servers)) != len(servers):
         raise ValueError(f"--server given twice for the same server: {' '.join(servers)}")
-    if args.base_url is not None:
-        changed = [name for name, default in args.launch_flag_defaults.items() if getattr(args, name) != default]
-        if changed:
-            raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in changed)} shape a server bench serve "
-                             "launches; a --base-url server keeps its own settings: drop them")
+    resolve_engine_flags(args, servers)
+    if args.base_url is None and "transformers" in servers:
+        _transformers_cli()  # missing tools are found now, not after the pagellm server's run
     goodput = parse_goodput(args.goodput)
     model, model_name, config = prepare(args)
     vocab = config.vocab_size
@@ -360,11 +392,11 @@ def run(args: argparse.Namespace) -> int:
                        args.temperature)
     else:
         for server in servers:
-            proc, base_url = _launch(server, str(model), args)
+            proc, base_url, log_path = _launch(server, str(model), args)
             try:
                 ignore_eos = SERVERS[server][1] and not args.no_ignore_eos
                 all_results[server] = _load_server(server, base_url, args.served_model_name or str(model), loads,
-                                                   warm_up, args, goodput, ignore_eos)
+                                                   warm_up, args, goodput, ignore_eos, log_path)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

@@ -69,13 +69,18 @@ def check_common_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--kv-cache-memory: {e}") from None
     if args.model:
         check_model_folder(args.model)
-    # The results go there: a folder that cannot be written is found now, not after the run.
-    try:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--output-dir {str(args.output_dir)!r} cannot be created: {e.strerror}") from None
-    if not os.access(args.output_dir, os.W_OK):
-        raise ValueError(f"--output-dir {str(args.output_dir)!r} is not writable")
+
+
+def check_output_dir(folder: Path) -> None:
+    """The results go to ``folder``: one that could not be written is found before the run, not after
+    it. Nothing is created here (a refused run leaves nothing behind)."""
+    existing = folder.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--output-dir {str(folder)!r} cannot be created: {str(existing)!r} is a file")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"--output-dir {str(folder)!r} cannot be written: {str(existing)!r} is not writable")
 
 
 def longest_request(args: argparse.Namespace) -> int:
@@ -98,6 +103,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str, Any]:
         parts = "--prefix-len + " if args.workload == "shared-prefix" else ""
         raise ValueError(f"the longest request is {longest} tokens ({parts}--prompt-len MAX + --output-len MAX), "
                          f"more than {model_name}'s max_position_embeddings ({limit}): lower them")
+    check_output_dir(args.output_dir)  # last: every other refusal comes first
     return model, model_name, config
 
 

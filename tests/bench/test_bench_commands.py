@@ -126,7 +126,8 @@ def test_goodput_parsing():
     ("memory", ["--max-model-len", "100000000"], "more than tiny-llama's max_position_embeddings"),
     ("serve", ["--workload", "parallel"], "the parallel workload (n > 1) is measured by"),
     ("serve", ["--base-url", "http://127.0.0.1:9", "--block-size", "8"],
-     "--dtype, --block-size, --kv-cache-memory shape a server bench serve launches"),
+     "--block-size, --kv-cache-memory: engine flags of a server bench serve launches"),
+    ("serve", ["--server", "transformers"], "--kv-cache-memory: engine flags of a launched pagellm server"),
     ("serve", ["--goodput"], "--goodput needs at least one KEY:MS"),
     ("serve", ["--goodput", "ttft:-5"], "the limit must be a positive number of milliseconds"),
     ("serve", ["--goodput", "ttft:abc"], "the limit must be a positive number of milliseconds"),
@@ -135,6 +136,7 @@ def test_bench_flags_are_refused_before_any_work(tmp_path, capsys, command, flag
     assert main(["bench", command, *TINY, *flags, "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # a refused run leaves nothing behind
 
 
 def test_bench_output_dir_that_cannot_be_created_is_refused_first(tmp_path, capsys):
@@ -176,3 +178,21 @@ def test_bench_serve_where_every_request_fails_measures_nothing_and_says_so(tmp_
     err = capsys.readouterr().err
     assert rc == 1 and "every request to the external server failed" in err and "maximum context length" in err
     assert not list(tmp_path.glob("serve-*.json"))
+
+
+def test_engine_flags_at_their_usual_values_are_still_refused_with_base_url(tmp_path, capsys):
+    workload = TINY[:2] + TINY[4:-2]
+    assert main(["bench", "serve", *workload, "--base-url", "http://127.0.0.1:9", "--max-num-seqs", "256",
+                 "--output-dir", str(tmp_path)]) == 2
+    assert "--max-num-seqs: engine flags of a server bench serve launches" in capsys.readouterr().err
+
+
+def test_a_launched_pagellm_server_gets_the_engine_flags():
+    from pagellm.bench.serve import _pagellm_command, resolve_engine_flags
+    from pagellm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
+    resolve_engine_flags(args, ["pagellm"])
+    cmd = _pagellm_command("/m", 9000, args)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "512"
+    assert cmd[cmd.index("--block-size") + 1] == "16" and cmd[cmd.index("--kv-cache-memory") + 1] == "2GiB"
