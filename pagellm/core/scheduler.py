@@ -111,6 +111,10 @@ class SchedulerStats:
     # SLA attainment: finished (not aborted) requests that had targets, and those that met them.
     sla_finished: int = 0
     sla_met: int = 0
+    # Tokens sampled (every sequence's, best_of's discarded samples too), and prompt tokens of
+    # requests whose prefill completed (counted at their first token, once per request).
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
 
     @property
     def sla_attainment(self) -> Optional[float]:
@@ -361,6 +365,7 @@ class Scheduler:
             for s in (seq, *item.fork_children):
                 sample = result.samples[s.seq_id]
                 s.output_token_ids.append(sample.token_id)
+                self.stats.num_generated_tokens += 1
                 if sample.logprob is not None:
                     s.cumulative_logprob += sample.logprob
                 if sample.top_logprobs is not None:
@@ -369,6 +374,7 @@ class Scheduler:
                 if times.first_token_time is None:
                     now = now or self.clock()
                     times.first_token_time = now
+                    self.stats.num_prompt_tokens += len(s.request.prompt_token_ids)
                 self._check_stop(s, sample.token_id)
                 touched.append(s)
         return touched

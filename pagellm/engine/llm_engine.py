@@ -63,18 +63,22 @@ class StepRecord:
 
 @dataclass
 class EngineStats:
-    """A snapshot of the engine's queues and KV cache, for metrics and reports."""
+    """A snapshot of the engine's queues and KV cache, for metrics and reports. Queues count
+    requests (a request with n samples is one), as vLLM's metrics do."""
 
-    num_running: int
-    num_waiting: int
-    num_swapped: int
+    num_running: int  # requests with a sequence running
+    num_waiting: int  # requests with a sequence waiting (new, or preempted by recompute) and none running
+    num_swapped: int  # requests with a sequence swapped out and none running
+    num_never_scheduled: int  # waiting requests not scheduled even once yet
     num_blocks: int
     num_used_blocks: int
     num_slots: int
-    num_filled_slots: int  # slots holding a computed token's K/V
+    num_filled_slots: int  # slots holding a computed token's K/V, each physical slot once
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_generated_tokens: int  # cumulative
+    num_prompt_tokens: int  # cumulative, counted when a request's prefill completes
     sla_attainment: Optional[float] = None
 
     @property
@@ -401,17 +405,23 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         sched = self.scheduler
         kv = self.kv_cache_manager
+        running = {s.request.request_id for s in sched.running}
+        swapped = {s.request.request_id for s in sched.swapped} - running
+        waiting = {s.request for s in sched.waiting if s.request.request_id not in running | swapped}
         return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_swapped=sched.num_swapped,
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_swapped=len(swapped),
+            num_never_scheduled=sum(1 for r in waiting if r.metrics.first_scheduled_time is None),
             num_blocks=kv.num_blocks,
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             num_slots=kv.num_blocks * kv.block_size,
-            num_filled_slots=sum(s.num_computed_tokens for s in sched.running),
+            num_filled_slots=self.kv_cache_stats().physical_slots_used,
             num_preemptions=sched.stats.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_generated_tokens=sched.stats.num_generated_tokens,
+            num_prompt_tokens=sched.stats.num_prompt_tokens,
             sla_attainment=sched.stats.sla_attainment,
         )
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagellm.core.sequence import Request
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import RequestMetrics, RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 THROUGHPUT_WINDOW_S = 10.0
@@ -19,8 +20,9 @@ THROUGHPUT_WINDOW_S = 10.0
 class EngineMetrics:
     """Owns a registry (one per server, so tests can run several) and updates it after every step."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, clock: Callable[[], float] = time.time) -> None:
         self.engine = engine
+        self.clock = clock  # the engine's request times are time.time()
         self.registry = CollectorRegistry()
         r, label = self.registry, ["model_name"]
 
@@ -34,12 +36,13 @@ class EngineMetrics:
             return Histogram(name, doc, label, buckets=_LATENCY_BUCKETS, registry=r)
 
         self.running = gauge("pagellm_num_requests_running", "Requests with a sequence running on the engine")
-        self.waiting = gauge("pagellm_num_requests_waiting", "Sequences waiting to be scheduled")
-        self.swapped = gauge("pagellm_num_requests_swapped", "Sequences swapped out to the CPU pool")
+        self.waiting = gauge("pagellm_num_requests_waiting", "Requests waiting to be scheduled (new or preempted)")
+        self.swapped = gauge("pagellm_num_requests_swapped", "Requests swapped out to the CPU pool")
         self.kv_usage = gauge("pagellm_kv_cache_usage_perc", "KV cache blocks in use, 0 to 1")
-        self.kv_util = gauge("pagellm_kv_cache_utilization", "KV slots holding tokens / all slots")
+        self.kv_util = gauge("pagellm_kv_cache_utilization",
+                             "KV slots holding a token's K/V (shared slots once) / all slots")
         self.blocks_util = gauge("pagellm_blocks_utilization", "KV blocks in use / all blocks")
-        self.pending = gauge("pagellm_pending_requests", "Requests accepted but not yet scheduled")
+        self.pending = gauge("pagellm_pending_requests", "Requests accepted but not scheduled even once yet")
         self.throughput = gauge(
             "pagellm_generation_throughput", f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:.0f} s"
         )
@@ -47,9 +50,10 @@ class EngineMetrics:
                          "Share of finished requests with latency targets that met them (sla policy)")
         self.pc_queries = counter("pagellm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.pc_hits = counter("pagellm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.prompt_tokens = counter("pagellm_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("pagellm_generation_tokens", "Generated tokens")
-        self.success = counter("pagellm_request_success", "Finished requests", ("finished_reason",))
+        self.prompt_tokens = counter("pagellm_prompt_tokens", "Prompt tokens, counted when a request's prefill completes")
+        self.generation_tokens = counter("pagellm_generation_tokens", "Generated tokens (every sample's)")
+        self.success = counter("pagellm_request_success", "Finished requests, one per returned sample (n > 1)",
+                               ("finished_reason",))
         self.preemptions = counter("pagellm_num_preemptions", "Preemptions")
         self.ttft = hist("pagellm_time_to_first_token_seconds", "Time to first token")
         self.itl = hist("pagellm_inter_token_latency_seconds", "Time between two tokens of a sequence")
@@ -62,84 +66,81 @@ class EngineMetrics:
             self._l(metric)
         for reason in ("stop", "length", "abort"):
             self._l(self.success, finished_reason=reason)
-        self._tokens_seen: dict[str, int] = {}
-        self._last_token_time: dict[str, float] = {}
+        # Per request id: each sequence's (tokens seen, time of its last token), for inter-token latency.
+        self._seq_tokens: dict[str, dict[int, tuple[int, float]]] = {}
         self._window: deque[tuple[float, int]] = deque()
-        self._last_preemptions = 0
-        self._last_pc = (0, 0)
-        self.update_gauges(pending=0)
+        self._counted = {"generated": 0, "prompt": 0, "preemptions": 0, "queries": 0, "hits": 0}
+        self._never_scheduled = 0
+        self._refresh()
 
     def _l(self, metric, **extra: str):  # type: ignore[no-untyped-def]
         return metric.labels(model_name=self.model_name, **extra)
 
-    def on_step(self, outputs: list[RequestOutput], pending: int = 0) -> None:
-        now = time.time()
-        new_tokens = 0
+    # The engine's state is read only here, from the callbacks of the serving loop, which run between
+    # two steps (never while a step mutates the queues); render() reads none of it.
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        now = self.clock()
         for out in outputs:
-            total = sum(len(c.token_ids) for c in out.outputs)
-            seen = self._tokens_seen.get(out.request_id, 0)
-            if total > seen:
-                new_tokens += total - seen
-                self._tokens_seen[out.request_id] = total
-                last = self._last_token_time.get(out.request_id)
-                if last is not None:
-                    self._l(self.itl).observe(now - last)
-                self._last_token_time[out.request_id] = now
+            seqs = self._seq_tokens.setdefault(out.request_id, {})
+            for c in out.outputs:
+                seen, last = seqs.get(c.index, (0, 0.0))
+                if len(c.token_ids) > seen:
+                    if seen:
+                        self._l(self.itl).observe(now - last)
+                    seqs[c.index] = (len(c.token_ids), now)
             if out.finished:
-                self._finish(out)
-        if new_tokens:
-            self._l(self.generation_tokens).inc(new_tokens)
-            self._window.append((now, new_tokens))
-        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._window.popleft()
-        self.update_gauges(pending)
-
-    def _finish(self, out: RequestOutput) -> None:
-        self._tokens_seen.pop(out.request_id, None)
-        self._last_token_time.pop(out.request_id, None)
-        reason = out.outputs[0].finish_reason or "abort"
-        self._l(self.success, finished_reason=reason).inc()
-        self._l(self.prompt_tokens).inc(len(out.prompt_token_ids))
-        m = out.metrics
-        if m is not None:
-            if m.first_token_time is not None:
-                self._l(self.ttft).observe(m.first_token_time - m.arrival_time)
-            if m.finished_time is not None:
-                self._l(self.e2e).observe(m.finished_time - m.arrival_time)
-            if m.first_scheduled_time is not None:
-                self._l(self.queue_time).observe(m.first_scheduled_time - m.arrival_time)
+                self._seq_tokens.pop(out.request_id, None)
+                for c in out.outputs:  # one per returned sample, as vLLM counts n > 1 (child requests)
+                    self._l(self.success, finished_reason=c.finish_reason or "abort").inc()
+                self._observe_latencies(out.metrics)
+        self._refresh(now)
 
     def on_abort(self, request: Request) -> None:
-        self._tokens_seen.pop(request.request_id, None)
-        self._last_token_time.pop(request.request_id, None)
-        self._l(self.success, finished_reason="abort").inc()
-        self._l(self.prompt_tokens).inc(len(request.prompt_token_ids))
+        self._seq_tokens.pop(request.request_id, None)
+        self._l(self.success, finished_reason="abort").inc(request.sampling_params.n)
+        self._observe_latencies(request.metrics, finished_time=self.clock())
+        self._refresh()
 
-    def update_gauges(self, pending: int) -> None:
+    def _observe_latencies(self, m: Optional[RequestMetrics], finished_time: Optional[float] = None) -> None:
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self._l(self.ttft).observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self._l(self.queue_time).observe(m.first_scheduled_time - m.arrival_time)
+        end = m.finished_time if m.finished_time is not None else finished_time
+        if end is not None:
+            self._l(self.e2e).observe(end - m.arrival_time)
+
+    def _refresh(self, now: Optional[float] = None) -> None:
+        """Gauges and counters from the engine's stats (between steps only)."""
         stats = self.engine.get_stats()
-        running_requests = {s.request.request_id for s in self.engine.scheduler.running}
-        self._l(self.running).set(len(running_requests))
+        self._l(self.running).set(stats.num_running)
         self._l(self.waiting).set(stats.num_waiting)
         self._l(self.swapped).set(stats.num_swapped)
         self._l(self.kv_usage).set(stats.kv_cache_usage)
         self._l(self.blocks_util).set(stats.kv_cache_usage)
         self._l(self.kv_util).set(stats.kv_cache_utilization)
-        self._l(self.pending).set(stats.num_waiting + pending)
+        self._never_scheduled = stats.num_never_scheduled
         if stats.sla_attainment is not None:
             self._l(self.sla).set(stats.sla_attainment)
-        tokens = sum(n for _, n in self._window)
-        self._l(self.throughput).set(tokens / THROUGHPUT_WINDOW_S)
-        if stats.num_preemptions > self._last_preemptions:
-            self._l(self.preemptions).inc(stats.num_preemptions - self._last_preemptions)
-            self._last_preemptions = stats.num_preemptions
-        q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
-        if q > self._last_pc[0]:
-            self._l(self.pc_queries).inc(q - self._last_pc[0])
-        if h > self._last_pc[1]:
-            self._l(self.pc_hits).inc(h - self._last_pc[1])
-        self._last_pc = (q, h)
+        totals = {"generated": stats.num_generated_tokens, "prompt": stats.num_prompt_tokens,
+                  "preemptions": stats.num_preemptions, "queries": stats.prefix_cache_queries,
+                  "hits": stats.prefix_cache_hits}
+        counters = {"generated": self.generation_tokens, "prompt": self.prompt_tokens,
+                    "preemptions": self.preemptions, "queries": self.pc_queries, "hits": self.pc_hits}
+        for key, total in totals.items():
+            if total > self._counted[key]:
+                self._l(counters[key]).inc(total - self._counted[key])
+                if key == "generated":
+                    self._window.append((now if now is not None else self.clock(), total - self._counted[key]))
+                self._counted[key] = total
 
-    def render(self, pending: Optional[int] = None) -> bytes:
-        if pending is not None:
-            self.update_gauges(pending)
+    def render(self, pending: int = 0) -> bytes:
+        """The exposition; ``pending``: requests accepted but not yet handed to the engine."""
+        now = self.clock()
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()  # here too: an idle server's throughput falls to 0
+        self._l(self.throughput).set(sum(n for _, n in self._window) / THROUGHPUT_WINDOW_S)
+        self._l(self.pending).set(self._never_scheduled + pending)
         return generate_latest(self.registry)

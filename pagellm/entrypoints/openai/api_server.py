@@ -115,7 +115,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
               chat_template: Optional[str] = None) -> FastAPI:
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
-    async_engine.step_callbacks.append(lambda outs: metrics.on_step(outs, pending=len(async_engine._pending_adds)))
+    async_engine.step_callbacks.append(metrics.on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
     serving = OpenAIServing(async_engine, model_name, chat_template)
 
