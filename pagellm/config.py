@@ -144,6 +144,9 @@ class EngineArgs:
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode (--preemption-mode) must be auto, swap or recompute, got {self.preemption_mode!r}")
+        if self.prefill_chunk_size is not None and not self.enable_chunked_prefill:
+            raise ValueError("prefill_chunk_size (--prefill-chunk-size) splits prompts into chunks: it needs chunked "
+                             "prefill; drop it or --no-enable-chunked-prefill")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode 'swap' needs a swap pool: give --swap-space > 0")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:

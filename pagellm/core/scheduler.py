@@ -176,10 +176,13 @@ class Scheduler:
         chunk_cap = cfg.prefill_chunk_size or budget
 
         # 1. Make room for an urgent waiting request by preempting less urgent running ones.
-        if self.policy.preempts_for_urgent and self.waiting and not self.swapped:
+        if self.policy.preempts_for_urgent and self.waiting and not self._swapped_first():
             self._preempt_for_urgent(out, budget, chunk_cap)
 
-        # 2. Running sequences first, in admission order.
+        # 2. Running sequences first, in admission order, decodes before prefill chunks: a long
+        #    prompt's chunk must not take the budget of a sequence behind it that needs one token
+        #    (forked children and swapped-in sequences join the end of the list).
+        self.running.sort(key=lambda s: s.num_uncomputed_tokens > 1)
         grew_short = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -199,10 +202,10 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 3. Swapped sequences come back before new ones; 4. then waiting ones, in policy order.
-        #    Neither in a step that was short of blocks: there is no room to spare.
+        # 3. Swapped sequences come back before less urgent waiting ones; 4. then waiting ones, in
+        #    policy order. Neither in a step that was short of blocks: there is no room to spare.
         if not grew_short:
-            if self.swapped:
+            if self._swapped_first():
                 self._swap_in_next()
             else:
                 budget = self._admit_waiting(out, budget, chunk_cap)
@@ -213,13 +216,28 @@ class Scheduler:
         self.stats.num_steps += 1
         return out
 
+    def _swapped_first(self) -> bool:
+        """Whether the most urgent swapped sequence goes before the most urgent waiting one. (The
+        swapped sequence an urgent request just displaced must not come straight back in its place.)"""
+        if not self.swapped:
+            return False
+        return not self.waiting or self.policy.key(self.swapped[0]) <= self.policy.key(self.waiting[0])
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots ``seq`` takes: itself, and as a first sequence its siblings not forked yet."""
+        return 1 + (len(seq.request.pending_children) if seq.index == 0 else 0)
+
+    def _seats_taken(self) -> int:
+        return sum(self._seats(s) for s in self.running)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         cfg = self.config
+        taken = self._seats_taken()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            # A first admission brings its unforked siblings along: they need seats too.
-            seats = 1 + (len(seq.request.pending_children) if seq.index == 0 else 0)
-            if len(self.running) + seats > cfg.max_num_seqs:
+            seats = self._seats(seq)
+            if taken + seats > cfg.max_num_seqs:
                 break
             hits = self.kv_cache.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
             hit_tokens = len(hits) * self.kv_cache.block_size
@@ -236,6 +254,7 @@ class Scheduler:
                 self.kv_cache.count_prefix_query(seq, hit_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            taken += seats
             times = seq.request.metrics
             if times.first_scheduled_time is None:
                 times.first_scheduled_time = self.clock()
@@ -246,14 +265,14 @@ class Scheduler:
     def _preempt_for_urgent(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> None:
         head = self.waiting[0]
         key = self.policy.key
-        seats = 1 + (len(head.request.pending_children) if head.index == 0 else 0)
+        seats = self._seats(head)
         hits = self.kv_cache.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
         num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache.block_size,
                       budget, chunk_cap)
         needed = self.kv_cache.num_blocks_to_admit(head, num_new, hits)
 
         def fits() -> bool:
-            return (len(self.running) + seats <= self.config.max_num_seqs
+            return (self._seats_taken() + seats <= self.config.max_num_seqs
                     and needed + self._decode_reserve() <= self.kv_cache.num_free_blocks)
 
         while not fits() and self.running:
@@ -271,7 +290,7 @@ class Scheduler:
     def _swap_in_next(self) -> None:
         """Bring the most urgent swapped sequence back if it fits, leaving room for the running ones."""
         seq = self.swapped[0]
-        if len(self.running) + 1 > self.config.max_num_seqs:
+        if self._seats_taken() + self._seats(seq) > self.config.max_num_seqs:
             return
         if not self.kv_cache.swap_in(seq, reserve=self._decode_reserve()):
             return

@@ -322,8 +322,9 @@ class LLMEngine:
             )
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            # An empty salt would silently mean none: the unsalted tenants' prefixes would be shared.
+            raise ValueError(f"cache_salt must be a non-empty string (or left out), got {cache_salt!r}")
         for name, slo in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
             if slo is not None and (not isinstance(slo, (int, float)) or isinstance(slo, bool)
                                     or not 0 < slo < math.inf):
@@ -338,7 +339,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
-            cache_salt=cache_salt or None,
+            cache_salt=cache_salt,
             ttft_slo=ttft_slo,
             tpot_slo=tpot_slo,
         )

@@ -98,3 +98,60 @@ def test_scheduler_flags_are_validated(llama_path):
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
     with pytest.raises(ValueError, match="ttft_slo must be a positive, finite number"):
         engine.add_request("x", "hi", ttft_slo=0)
+
+
+def test_an_urgent_request_displacing_a_swapped_one_gets_in_at_once(llama_path):
+    # Priority with swap (the default auto mode): the victim swapped out for the urgent request used
+    # to be swapped straight back in, every step, and neither ever finished.
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16, block_size=4,
+                                  scheduling_policy="priority"))
+    low, high = random_prompts([40, 30], vocab=500, seed=1)
+    engine.add_request("low", low, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), priority=10)
+    engine.step()
+    engine.add_request("high", high, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), priority=0)
+    finished_at = {}
+    for step in range(1, 200):
+        for out in engine.step():
+            if out.finished:
+                finished_at[out.request_id] = step
+        engine.kv_cache_manager.assert_consistent()
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished_at) == {"low", "high"} and finished_at["high"] < finished_at["low"]
+    assert engine.scheduler.stats.num_swap_outs >= 1
+    assert engine.kv_cache_manager.num_free_blocks == 16
+
+
+def test_max_num_seqs_counts_the_samples_not_forked_yet(llama_path):
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=128, num_kv_blocks=200, block_size=4,
+                                  max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=16))
+    long, *shorts = random_prompts([60, 5, 5, 5], vocab=500, seed=2)
+    engine.add_request("A", long, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True))
+    for i, p in enumerate(shorts):
+        engine.add_request(f"s{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 4  # A's three samples and one short request at a time, never more
+
+
+def test_forked_samples_decode_every_step_beside_a_chunking_prompt(llama_path):
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=512, num_kv_blocks=400, block_size=4,
+                                  max_num_batched_tokens=32))
+    p, long = random_prompts([10, 300], vocab=500, seed=3)
+    request = engine.add_request("P", p, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True))
+    engine.add_request("L", long, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for step in range(1, 9):
+        engine.step()
+        # Both samples gain a token every step while L's 300-token prompt takes the rest of the budget.
+        assert [s.num_output_tokens for s in request.seqs] == [step, step]
+    engine.abort_request(["P", "L"])
+
+
+def test_chunk_size_without_chunked_prefill_and_an_empty_cache_salt_are_refused(llama_path):
+    with pytest.raises(ValueError, match="prefill_chunk_size .* needs chunked prefill"):
+        EngineArgs(enable_chunked_prefill=False, prefill_chunk_size=8)
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2), cache_salt="")
