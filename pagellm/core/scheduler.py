@@ -6,10 +6,12 @@ scheduler gives it ``num_tokens - num_computed_tokens`` more (capped by the budg
 
 1. (``priority`` policy) if the most urgent waiting request does not fit, strictly less
    urgent running ones are preempted to make room;
-2. running sequences get their tokens; when blocks run out, the least urgent running
-   sequence not yet scheduled this step (the latest arrival under ``fcfs``) is preempted;
-3. swapped-out sequences come back before any new request: the next one's swap-in is
-   issued a step ahead of its scheduling, so its blocks are in place when it runs;
+2. running sequences get their tokens, decodes before prefill chunks; when blocks run out,
+   the least urgent running sequence (the latest arrival under ``fcfs``) is preempted, and
+   if it was scheduled earlier in the step its tokens go back to the budget;
+3. swapped-out sequences come back before new requests (under ``priority``, before less
+   urgent ones): the next one's swap-in is issued a step ahead of its scheduling, so its
+   blocks are in place when it runs;
 4. waiting sequences are admitted in policy order while budget, seats and blocks last.
 
 Preemption swaps the sequence's blocks to the CPU pool (``swap``, or ``auto`` while the
@@ -189,9 +191,14 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             while not self.kv_cache.allocate_slots(seq, num_new):
-                # The least urgent of those not scheduled yet (seq itself included) makes room.
-                victim = max(self.running[i:], key=self.policy.key)
-                self.running.remove(victim)
+                # The least urgent running sequence (seq itself included) makes room, even one already
+                # scheduled this step: its entry is withdrawn and its budget returned (as in vLLM).
+                victim = max(self.running, key=self.policy.key)
+                at = self.running.index(victim)
+                self.running.pop(at)
+                if at < i:
+                    i -= 1
+                    budget += self._withdraw(victim, out)
                 self._preempt(victim, out)
                 grew_short = True
                 if victim is seq:
@@ -216,12 +223,24 @@ class Scheduler:
         self.stats.num_steps += 1
         return out
 
+    def _withdraw(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Take ``seq``'s entry out of this step's schedule; returns the tokens it had."""
+        entry = next(e for e in out.scheduled if e.seq is seq)
+        out.scheduled.remove(entry)
+        if not entry.sample:
+            self.stats.num_partial_prefills -= 1
+        return entry.num_new_tokens
+
     def _swapped_first(self) -> bool:
-        """Whether the most urgent swapped sequence goes before the most urgent waiting one. (The
-        swapped sequence an urgent request just displaced must not come straight back in its place.)"""
+        """Whether the swapped sequences come back before the waiting ones. They do (they have
+        streamed tokens already), except under a policy that preempts for urgency, where a more
+        urgent waiting request goes first: the sequence it just displaced must not come straight
+        back in its place."""
         if not self.swapped:
             return False
-        return not self.waiting or self.policy.key(self.swapped[0]) <= self.policy.key(self.waiting[0])
+        if not self.policy.preempts_for_urgent or not self.waiting:
+            return True
+        return self.policy.key(self.swapped[0]) <= self.policy.key(self.waiting[0])
 
     @staticmethod
     def _seats(seq: Sequence) -> int:

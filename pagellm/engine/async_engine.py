@@ -75,6 +75,7 @@ class AsyncLLMEngine:
         self._pending_aborts: list[str] = []
         self._wakeup: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
+        self._step: Optional[asyncio.Future] = None
         self.step_callbacks: list[StepCallback] = []
         self.abort_callbacks: list[Callable[[Request], None]] = []
 
@@ -96,6 +97,8 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
+        if self._step is not None and not self._step.done():
+            await asyncio.wait([self._step])  # the engine is not thread-safe: no abort during a step
         self._apply_pending()
 
     @property
@@ -159,9 +162,14 @@ class AsyncLLMEngine:
                 await self._wakeup.wait()
             self._apply_pending()
             if not engine.has_unfinished_requests():
+                for cb in self.step_callbacks:  # idle now (aborts, say): callbacks see the final state
+                    cb([])
                 continue
+            # A task of its own, so that stop() can wait for a step still running in its thread
+            # before it touches the engine.
+            self._step = asyncio.ensure_future(asyncio.to_thread(engine.step))
             try:
-                outputs = await asyncio.to_thread(engine.step)
+                outputs = await asyncio.shield(self._step)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug must not hang every client: fail them and carry on

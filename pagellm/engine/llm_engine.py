@@ -156,6 +156,12 @@ class LLMEngine:
         budget = args.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         )
+        if budget < args.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_num_seqs ({args.max_num_seqs}): the running "
+                "sequences' decodes alone could take a step's whole budget and starve every prompt; raise "
+                "--max-num-batched-tokens or lower --max-num-seqs (vLLM has the same rule)"
+            )
         if not chunked and budget < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({self.max_model_len}): without "
@@ -408,7 +414,8 @@ class LLMEngine:
         kv = self.kv_cache_manager
         running = {s.request.request_id for s in sched.running}
         swapped = {s.request.request_id for s in sched.swapped} - running
-        waiting = {s.request for s in sched.waiting if s.request.request_id not in running | swapped}
+        busy = running | swapped
+        waiting = {s.request for s in sched.waiting if s.request.request_id not in busy}
         return EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
@@ -417,7 +424,8 @@ class LLMEngine:
             num_blocks=kv.num_blocks,
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             num_slots=kv.num_blocks * kv.block_size,
-            num_filled_slots=self.kv_cache_stats().physical_slots_used,
+            # Only running sequences hold device blocks (swapped ones hold CPU blocks, waiting none).
+            num_filled_slots=kv.stats(list(sched.running)).physical_slots_used,
             num_preemptions=sched.stats.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,

@@ -69,15 +69,20 @@ class EngineMetrics:
         # Per request id: each sequence's (tokens seen, time of its last token), for inter-token latency.
         self._seq_tokens: dict[str, dict[int, tuple[int, float]]] = {}
         self._window: deque[tuple[float, int]] = deque()
-        self._counted = {"generated": 0, "prompt": 0, "preemptions": 0, "queries": 0, "hits": 0}
+        # Counters start from the engine's totals now: start-up work (preloaded prefixes) is not traffic.
+        stats = engine.get_stats()
+        self._counted = {"generated": stats.num_generated_tokens, "prompt": stats.num_prompt_tokens,
+                         "preemptions": stats.num_preemptions, "queries": stats.prefix_cache_queries,
+                         "hits": stats.prefix_cache_hits}
         self._never_scheduled = 0
         self._refresh()
 
     def _l(self, metric, **extra: str):  # type: ignore[no-untyped-def]
         return metric.labels(model_name=self.model_name, **extra)
 
-    # The engine's state is read only here, from the callbacks of the serving loop, which run between
-    # two steps (never while a step mutates the queues); render() reads none of it.
+    # The engine's state is read only in on_step, which the serving loop calls between two steps
+    # (never while a step mutates the queues): after each step, and with no outputs when it goes idle.
+    # render() reads none of it.
     def on_step(self, outputs: list[RequestOutput]) -> None:
         now = self.clock()
         for out in outputs:
@@ -96,10 +101,13 @@ class EngineMetrics:
         self._refresh(now)
 
     def on_abort(self, request: Request) -> None:
+        """A request aborted (its gauges follow at the next on_step: aborts come in bursts)."""
         self._seq_tokens.pop(request.request_id, None)
-        self._l(self.success, finished_reason="abort").inc(request.sampling_params.n)
+        # Each sample it would have returned: those that had finished keep their reason.
+        for seq in request.seqs[: request.sampling_params.n]:
+            reason = seq.status.finish_reason if seq.status.is_finished else None
+            self._l(self.success, finished_reason=reason or "abort").inc()
         self._observe_latencies(request.metrics, finished_time=self.clock())
-        self._refresh()
 
     def _observe_latencies(self, m: Optional[RequestMetrics], finished_time: Optional[float] = None) -> None:
         if m is None:
@@ -114,6 +122,8 @@ class EngineMetrics:
 
     def _refresh(self, now: Optional[float] = None) -> None:
         """Gauges and counters from the engine's stats (between steps only)."""
+        now = now if now is not None else self.clock()
+        self._trim_window(now)
         stats = self.engine.get_stats()
         self._l(self.running).set(stats.num_running)
         self._l(self.waiting).set(stats.num_waiting)
@@ -133,14 +143,16 @@ class EngineMetrics:
             if total > self._counted[key]:
                 self._l(counters[key]).inc(total - self._counted[key])
                 if key == "generated":
-                    self._window.append((now if now is not None else self.clock(), total - self._counted[key]))
+                    self._window.append((now, total - self._counted[key]))
                 self._counted[key] = total
+
+    def _trim_window(self, now: float) -> None:
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
 
     def render(self, pending: int = 0) -> bytes:
         """The exposition; ``pending``: requests accepted but not yet handed to the engine."""
-        now = self.clock()
-        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._window.popleft()  # here too: an idle server's throughput falls to 0
+        self._trim_window(self.clock())  # here too: an idle server's throughput falls to 0
         self._l(self.throughput).set(sum(n for _, n in self._window) / THROUGHPUT_WINDOW_S)
         self._l(self.pending).set(self._never_scheduled + pending)
         return generate_latest(self.registry)

@@ -85,7 +85,7 @@ def test_generation_stops_at_max_model_len(llama_path):
 
 def test_abort_frees_blocks_in_every_state_and_engine_keeps_serving(llama_path):
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=256, num_kv_blocks=64,
-                                  max_num_batched_tokens=16, block_size=4))
+                                  max_num_batched_tokens=16, max_num_seqs=16, block_size=4))
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     engine.add_request("running", list(range(5, 10)), p)
     engine.add_request("chunking", list(range(5, 105)), p)

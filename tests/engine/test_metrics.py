@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import EngineArgs, LLMEngine, SamplingParams
+from pagellm.core.sequence import SequenceStatus
 from pagellm.engine.metrics import THROUGHPUT_WINDOW_S, EngineMetrics
 from tests.helpers import random_prompts
 
@@ -98,3 +99,25 @@ def test_an_abort_records_its_latencies_and_a_never_prefilled_prompt_is_not_coun
     assert value(metrics, "pagellm_e2e_request_latency_seconds_count") == 2
     assert value(metrics, "pagellm_prompt_tokens_total") == 4  # "never" was never prefilled
     assert value(metrics, "pagellm_num_requests_waiting") == 0 and value(metrics, "pagellm_pending_requests") == 0
+
+
+def test_an_abort_keeps_the_reasons_of_samples_that_had_finished(engine):
+    metrics = EngineMetrics(engine, "m", clock=Clock())
+    request = engine.add_request("a", [5, 6, 7], SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=30,
+                                                                ignore_eos=True))
+    for _ in range(3):
+        metrics.on_step(engine.step())
+    engine.scheduler.finish_seq(request.seqs[1], SequenceStatus.FINISHED_STOPPED)  # as a stop token would
+    engine.abort_request("a")
+    metrics.on_abort(request)
+    assert value(metrics, "pagellm_request_success_total", finished_reason="abort") == 1
+    assert value(metrics, "pagellm_request_success_total", finished_reason="stop") == 1
+
+
+def test_start_up_work_is_not_counted_as_traffic(llama_path):
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=128, num_kv_blocks=64, block_size=8,
+                                  preload_prompts=["a system prompt that is long enough to fill blocks " * 3]))
+    metrics = EngineMetrics(engine, "m", clock=Clock())
+    assert engine.get_stats().num_prompt_tokens > 0  # the preload ran through the engine
+    assert value(metrics, "pagellm_prompt_tokens_total") == 0
+    assert value(metrics, "pagellm_prefix_cache_queries_total") == 0

@@ -28,7 +28,7 @@ def expected(llama_path, prompts):
 
 
 def test_chunked_prefill_gives_the_same_tokens(llama_path, prompts, expected):
-    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4, max_num_batched_tokens=32,
+    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4, max_num_batched_tokens=32, max_num_seqs=32,
               enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
@@ -39,7 +39,7 @@ def test_chunked_prefill_gives_the_same_tokens(llama_path, prompts, expected):
 def test_preemption_by_swap_or_recompute_gives_the_same_tokens(llama_path, prompts, expected, mode, caplog):
     # 45 blocks of 4 = 180 slots: the six requests need ~460 at peak.
     llm = LLM(str(llama_path), max_model_len=180, num_kv_blocks=45, block_size=4, preemption_mode=mode,
-              swap_space=0.05, max_num_batched_tokens=64)
+              swap_space=0.05, max_num_batched_tokens=64, max_num_seqs=64)
     with caplog.at_level(logging.INFO, logger="pagellm.core.scheduler"):
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -138,7 +138,7 @@ def test_max_num_seqs_counts_the_samples_not_forked_yet(llama_path):
 
 def test_forked_samples_decode_every_step_beside_a_chunking_prompt(llama_path):
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=512, num_kv_blocks=400, block_size=4,
-                                  max_num_batched_tokens=32))
+                                  max_num_batched_tokens=32, max_num_seqs=32))
     p, long = random_prompts([10, 300], vocab=500, seed=3)
     request = engine.add_request("P", p, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True))
     engine.add_request("L", long, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
@@ -155,3 +155,37 @@ def test_chunk_size_without_chunked_prefill_and_an_empty_cache_salt_are_refused(
     engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16))
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=2), cache_salt="")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("mode", ["recompute", "auto"])
+def test_a_prefill_chunk_short_of_blocks_preempts_the_least_urgent_even_if_already_scheduled(llama_path, policy,
+                                                                                            mode):
+    # Decodes are scheduled before prefill chunks; the victim must still be the least urgent running
+    # sequence (here L0/L1, later and less important), not the chunking prompt itself.
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=128, num_kv_blocks=36, block_size=4,
+                                  max_num_batched_tokens=48, max_num_seqs=8, prefill_chunk_size=16,
+                                  scheduling_policy=policy, preemption_mode=mode, enable_prefix_caching=False))
+    urgent, *later = random_prompts([112, 14, 14], vocab=500, seed=7)
+    engine.add_request("U", urgent, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), priority=0,
+                       arrival_time=1.0)
+    for i, p in enumerate(later):
+        engine.add_request(f"L{i}", p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), priority=10,
+                           arrival_time=2.0 + i)
+    requests = dict(engine.requests)
+    finished = {}
+    for step in range(1, 400):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = step
+        engine.kv_cache_manager.assert_consistent()
+        if not engine.has_unfinished_requests():
+            break
+    assert requests["U"].metrics.num_preemptions == 0
+    assert finished["U"] < min(finished["L0"], finished["L1"])
+    assert engine.kv_cache_manager.num_free_blocks == 36
+
+
+def test_a_budget_below_max_num_seqs_is_refused(llama_path):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is smaller than max_num_seqs \(256\)"):
+        LLMEngine(EngineArgs(model=str(llama_path), max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=32))

@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(checkpoints, references, name, block_size):
 @pytest.mark.parametrize("name", PARITY_CHECKPOINTS)
 def test_chunked_prefill_matches_transformers(checkpoints, references, name):
     prompts, expected = references[name]
-    llm = LLM(str(checkpoints[name]), max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=24)
+    llm = LLM(str(checkpoints[name]), max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=24, max_num_seqs=24)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_all_blocks_free(llm)
@@ -58,7 +58,7 @@ def test_prompt_logprobs_match_transformers(checkpoints, name):
     path = checkpoints[name]
     prompts = random_prompts([2, 37, 100], vocab=500, seed=7)
     # A small budget splits the prompts into chunks: logprobs must still line up.
-    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         lps = out.prompt_logprobs

@@ -35,7 +35,7 @@ def test_last_layer_on_the_used_rows_gives_the_same_outputs(checkpoints, name, d
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0),
     ]
     # A 64-token budget: prompts in chunks, chunks next to decodes.
-    llm = LLM(str(checkpoints[name]), dtype=dtype, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64,
+    llm = LLM(str(checkpoints[name]), dtype=dtype, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=64,
               enable_prefix_caching=False)
     computed, total = [], []
     chosen = model_runner.choose_output_rows
