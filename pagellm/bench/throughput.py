@@ -61,8 +61,9 @@ def check_common_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--block-size must be in [1, 256], got {args.block_size}")
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
-        raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
+                         f"({args.max_num_seqs})")
     try:
         parse_memory(args.kv_cache_memory)
     except ValueError as e:

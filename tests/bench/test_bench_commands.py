@@ -116,7 +116,7 @@ def test_goodput_parsing():
     ("serve", ["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
     ("throughput", ["--seed", str(2**64)], "--seed must be an integer in"),
     ("throughput", ["--workload", "shared-prefix", "--prefix-len", "-5"], "--prefix-len must be >= 1"),
-    ("throughput", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+    ("throughput", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens (0) must be at least --max-num-seqs"),
     ("throughput", ["--hf-batch-sizes", "-1"], "--hf-batch-sizes must all be >= 1"),
     ("throughput", ["--backend", "pagellm", "--backend", "pagellm"], "--backend given twice"),
     ("throughput", ["--prompt-len", "3000", "5000"], "the longest request is 5012 tokens (--prompt-len MAX + "
