@@ -153,31 +153,22 @@ def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
     return out
 
 
-def _temperature(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 2.0:  # the OpenAI API's range
-        raise argparse.ArgumentTypeError(f"{text} is not a temperature in [0, 2]")
-    return value
+def _flag_value(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)`` where ``ok``, else a usage error saying it is not ``what``."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}") from None
+        if not ok(value):  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    return parse
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text} is not a request rate: give requests/s > 0, or inf")
-    return value
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
+_temperature = _flag_value(float, lambda v: 0.0 <= v <= 2.0, "a temperature in [0, 2]")  # the OpenAI API's range
+_rate = _flag_value(float, lambda v: v > 0, "a request rate: give requests/s > 0, or inf")
+_at_least_one = _flag_value(int, lambda v: v >= 1, "an integer >= 1")
 
 
 # Engine flags of the pagellm server bench serve launches. Their parser default is None, so that

@@ -100,6 +100,19 @@ def test_scheduler_flags_are_validated(llama_path):
         engine.add_request("x", "hi", ttft_slo=0)
 
 
+def steps_to_finish(engine: LLMEngine, limit: int = 400) -> dict[str, int]:
+    """Step until every request is done (invariants checked each step); the step each finished at."""
+    finished = {}
+    for step in range(1, limit):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = step
+        engine.kv_cache_manager.assert_consistent()
+        if not engine.has_unfinished_requests():
+            break
+    return finished
+
+
 def test_an_urgent_request_displacing_a_swapped_one_gets_in_at_once(llama_path):
     # Priority with swap (the default auto mode): the victim swapped out for the urgent request used
     # to be swapped straight back in, every step, and neither ever finished.
@@ -109,14 +122,7 @@ def test_an_urgent_request_displacing_a_swapped_one_gets_in_at_once(llama_path):
     engine.add_request("low", low, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), priority=10)
     engine.step()
     engine.add_request("high", high, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), priority=0)
-    finished_at = {}
-    for step in range(1, 200):
-        for out in engine.step():
-            if out.finished:
-                finished_at[out.request_id] = step
-        engine.kv_cache_manager.assert_consistent()
-        if not engine.has_unfinished_requests():
-            break
+    finished_at = steps_to_finish(engine)
     assert set(finished_at) == {"low", "high"} and finished_at["high"] < finished_at["low"]
     assert engine.scheduler.stats.num_swap_outs >= 1
     assert engine.kv_cache_manager.num_free_blocks == 16
@@ -173,14 +179,7 @@ def test_a_prefill_chunk_short_of_blocks_preempts_the_least_urgent_even_if_alrea
         engine.add_request(f"L{i}", p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), priority=10,
                            arrival_time=2.0 + i)
     requests = dict(engine.requests)
-    finished = {}
-    for step in range(1, 400):
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = step
-        engine.kv_cache_manager.assert_consistent()
-        if not engine.has_unfinished_requests():
-            break
+    finished = steps_to_finish(engine)
     assert requests["U"].metrics.num_preemptions == 0
     assert finished["U"] < min(finished["L0"], finished["L1"])
     assert engine.kv_cache_manager.num_free_blocks == 36
