@@ -152,7 +152,10 @@ class EngineArgs:
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size (--block-size) must be an integer in [1, 256], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
-            parse_memory(self.kv_cache_memory)
+            try:
+                parse_memory(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory (--kv-cache-memory): {e}") from None
         if isinstance(self.preload_prompts, str):
             self.preload_prompts = read_prompt_file(self.preload_prompts)
         if self.preload_prompts is not None:

@@ -27,7 +27,7 @@ def test_parse_memory_rejects_nonsense(bad):
         ("max_num_seqs", 0, "max_num_seqs"),
         ("max_model_len", -5, "max_model_len"),
         ("num_kv_blocks", 1.5, "num_kv_blocks"),
-        ("kv_cache_memory", "huge", "memory size"),
+        ("kv_cache_memory", "huge", r"kv_cache_memory \(--kv-cache-memory\): memory size"),
         ("dtype", "fp8", "dtype"),
         ("load_format", "pt", "load_format"),
         ("seed", "x", r"seed \(--seed\) must be an integer in \[-2\*\*63, 2\*\*64 - 1\]"),

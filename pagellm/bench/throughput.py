@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any, Optional
 from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
-from pagellm.config import parse_memory
+from pagellm.config import EngineArgs
 from pagellm.model.loader import check_model_folder
 from pagellm.bench.workloads import (
     MODEL_PRESETS, Workload, bench_model_path, parallel_workload, random_workload, shared_prefix_workload,
@@ -41,7 +40,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 # Workloads draw with seed, seed + 1, ... (shared prefixes, one workload per serving rate): room is
 # left below the top of what a torch generator takes.
-SEED_RANGE = (-(2**63), 2**63 - 1)
+WORKLOAD_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 def check_common_args(args: argparse.Namespace) -> None:
@@ -51,23 +50,18 @@ def check_common_args(args: argparse.Namespace) -> None:
     for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
         if not 1 <= low <= high:
             raise ValueError(f"{flag} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
-    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+    if not WORKLOAD_SEED_RANGE[0] <= args.seed <= WORKLOAD_SEED_RANGE[1]:
         raise ValueError(f"--seed must be an integer in [-2**63, 2**63 - 1], got {args.seed}")
     if args.workload == "shared-prefix" and args.prefix_len < 1:
         raise ValueError(f"--prefix-len must be >= 1 for the shared-prefix workload, got {args.prefix_len}")
     if args.workload == "parallel" and args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
-    if not 1 <= args.block_size <= 256:
-        raise ValueError(f"--block-size must be in [1, 256], got {args.block_size}")
-    if args.max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    # The engine's own checks of the engine flags, now rather than after the machine is measured
+    # (and the engine's budget rule, which it checks only once it knows max_model_len).
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
         raise ValueError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
                          f"({args.max_num_seqs})")
-    try:
-        parse_memory(args.kv_cache_memory)
-    except ValueError as e:
-        raise ValueError(f"--kv-cache-memory: {e}") from None
+    EngineArgs(**engine_kwargs(args))
     if args.model:
         check_model_folder(args.model)
 

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 class ChatTemplateSyntaxError(ValueError):
     """A chat template that does not parse: the server's (or caller's) fault, not the messages'."""
 
+
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = Union[str, list[int], dict[str, Any]]
 

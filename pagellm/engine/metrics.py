@@ -69,11 +69,13 @@ class EngineMetrics:
         # Per request id: each sequence's (tokens seen, time of its last token), for inter-token latency.
         self._seq_tokens: dict[str, dict[int, tuple[int, float]]] = {}
         self._window: deque[tuple[float, int]] = deque()
-        # Counters start from the engine's totals now: start-up work (preloaded prefixes) is not traffic.
+        # The counters that follow the engine's cumulative totals (EngineStats fields), each from the
+        # totals at start: start-up work (preloaded prefixes) is not traffic.
+        self._from_totals = {"num_generated_tokens": self.generation_tokens, "num_prompt_tokens": self.prompt_tokens,
+                             "num_preemptions": self.preemptions, "prefix_cache_queries": self.pc_queries,
+                             "prefix_cache_hits": self.pc_hits}
         stats = engine.get_stats()
-        self._counted = {"generated": stats.num_generated_tokens, "prompt": stats.num_prompt_tokens,
-                         "preemptions": stats.num_preemptions, "queries": stats.prefix_cache_queries,
-                         "hits": stats.prefix_cache_hits}
+        self._counted = {field: getattr(stats, field) for field in self._from_totals}
         self._never_scheduled = 0
         self._refresh()
 
@@ -134,17 +136,13 @@ class EngineMetrics:
         self._never_scheduled = stats.num_never_scheduled
         if stats.sla_attainment is not None:
             self._l(self.sla).set(stats.sla_attainment)
-        totals = {"generated": stats.num_generated_tokens, "prompt": stats.num_prompt_tokens,
-                  "preemptions": stats.num_preemptions, "queries": stats.prefix_cache_queries,
-                  "hits": stats.prefix_cache_hits}
-        counters = {"generated": self.generation_tokens, "prompt": self.prompt_tokens,
-                    "preemptions": self.preemptions, "queries": self.pc_queries, "hits": self.pc_hits}
-        for key, total in totals.items():
-            if total > self._counted[key]:
-                self._l(counters[key]).inc(total - self._counted[key])
-                if key == "generated":
-                    self._window.append((now, total - self._counted[key]))
-                self._counted[key] = total
+        for field, counter in self._from_totals.items():
+            total = getattr(stats, field)
+            if total > self._counted[field]:
+                self._l(counter).inc(total - self._counted[field])
+                if counter is self.generation_tokens:
+                    self._window.append((now, total - self._counted[field]))
+                self._counted[field] = total
 
     def _trim_window(self, now: float) -> None:
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
