@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test serve generate clean
+.PHONY: install install-peers test test-peers check-plain-install serve generate clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,24 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LiteLLM).
+$(VENV)/.peers-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test,peers]"
+	touch $@
+
+install-peers: $(VENV)/.peers-installed
+
+# Peer comparisons and third-party clients run apart (`make test-peers`): a peer's new release must
+# not turn pagellm's own suite red.
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not peers"
+
+test-peers: install-peers
+	$(PY) -m pytest tests -m peers
+
+# A plain install (no extras) in a fresh venv runs every command: each import a command needs is declared.
+check-plain-install:
+	.ci/check-plain-install
 
 serve: install
 	$(VENV)/bin/pagellm serve $(SERVE_ARGS)

@@ -112,6 +112,32 @@ class EngineArgs:
     preload_prompts: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
         "prompts whose KV is computed at start-up and pinned (a JSON list or one prompt per line)",
         metavar="FILE"))
+    generation_config: str = field(default="auto", metadata=_flag(
+        "auto: the model folder's generation_config.json sets the default temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_tokens of requests that leave them unset; vllm: ignore the file; or the "
+        "folder of another generation_config.json"))
+    served_model_name: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
+        "the model's name(s) in the API: the first is the one reported, every one is accepted "
+        "(default: the model path)", nargs="+"))
+    # vLLM's arguments that scripts pass without thinking: accepted, with a clear error for a value
+    # pagellm cannot honour.
+    gpu_memory_utilization: Optional[float] = field(default=None, metadata=_flag(
+        "share of the memory available after loading the model (on a CPU: of the host's) given to the KV "
+        "cache, in (0, 1]; --kv-cache-memory and --num-kv-blocks take precedence (default: 2GiB on CPU, 0.9 "
+        "of free memory on CUDA)"))
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "devices the model is split over; only 1 (pagellm runs the model in one process)", "-tp"))
+    pipeline_parallel_size: int = field(default=1, metadata=_flag("pipeline stages; only 1", "-pp"))
+    kv_cache_dtype: str = field(default="auto", metadata=_flag(
+        "dtype of the KV cache; only auto (the model's --dtype)"))
+    quantization: Optional[str] = field(default=None, metadata=_flag(
+        "weight quantization method; none is supported yet (default: none, the checkpoint's weights)", "-q"))
+    enforce_eager: bool = field(default=False, metadata=_flag(
+        "accepted for vLLM scripts: pagellm always runs eagerly (no CUDA graphs)"))
+    trust_remote_code: bool = field(default=False, metadata=_flag(
+        "accepted for vLLM scripts: pagellm runs no code from checkpoints, only its own model classes"))
+    disable_log_stats: bool = field(default=False, metadata=_flag(
+        "do not log engine statistics (the server logs them every 10 s while busy)"))
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -165,6 +191,7 @@ class EngineArgs:
                 raise ValueError("preload_prompts (--preload-prompts) must be a list of non-empty strings")
             if not self.enable_prefix_caching:
                 raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
+        self._check_vllm_arguments()
         from pagellm.model.loader import LOAD_FORMATS
 
         if self.dtype not in DTYPE_CHOICES:
@@ -172,6 +199,40 @@ class EngineArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format (--load-format) must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+
+    def _check_vllm_arguments(self) -> None:
+        """vLLM's arguments: the values pagellm honours, and a message naming them for the rest."""
+        util = self.gpu_memory_utilization
+        if util is not None and (not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be a number in (0, 1], "
+                             f"got {util!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if v != 1 or isinstance(v, bool):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be 1, got {v!r}: pagellm runs the model "
+                                 "in one process on one device (model parallelism is not supported yet)")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.kv_cache_dtype!r} is not supported yet: "
+                             "only 'auto' (the KV cache in the model's --dtype)")
+        if self.quantization is not None:
+            raise ValueError(f"quantization (--quantization) {self.quantization!r} is not supported yet: leave it "
+                             "unset to run the checkpoint's 16/32-bit weights")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config (--generation-config) must be 'auto', 'vllm' or a folder, "
+                             f"got {self.generation_config!r}")
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        if names is not None and (not isinstance(names, list) or not names
+                                  or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError("served_model_name (--served-model-name) must be a non-empty string or a list of them, "
+                             f"got {self.served_model_name!r}")
+
+    @property
+    def served_model_names(self) -> Optional[list[str]]:
+        """``served_model_name`` as a list (None: name the model by its path)."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else names
 
     # ----------------------------------------------------------------- CLI
     @classmethod
@@ -202,9 +263,41 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
-        """Build from keyword arguments, naming unknown ones (a typo must not pass silently)."""
+        """Build from keyword arguments, naming unknown ones (a typo must not pass silently).
+
+        vLLM's arguments without a counterpart here (``VLLM_ONLY_ARGS``) are accepted at a value that
+        changes nothing, and refused by name at any other."""
         names = {f.name for f in dataclasses.fields(cls)}
+        for name in sorted(set(kwargs) & set(VLLM_ONLY_ARGS)):
+            check_vllm_only_arg(name, kwargs.pop(name))
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return cls(**kwargs)
+
+
+# vLLM engine arguments that mean nothing to pagellm at the value given: name -> (the values accepted,
+# why). Scripts written for vLLM pass them; any other value is an error that says what is supported.
+VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tokenizer_mode": (("auto", "hf"), "pagellm loads tokenizers with transformers' AutoTokenizer"),
+    "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
+    "revision": ((None,), "pagellm loads local folders only (no model hub)"),
+    "tokenizer_revision": ((None,), "pagellm loads local folders only (no model hub)"),
+    "download_dir": ((None,), "pagellm loads local folders only (no model hub)"),
+    "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
+    "enable_lora": ((False,), "LoRA adapters are not supported yet"),
+    "speculative_config": ((None,), "speculative decoding is not supported yet"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "pagellm runs one process"),
+    "disable_custom_all_reduce": ((False, True), "pagellm runs one process"),
+    "max_seq_len_to_capture": ((None, 8192), "pagellm captures no CUDA graphs"),
+    "task": (("auto", "generate"), "pagellm generates text"),
+}
+
+
+def check_vllm_only_arg(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is one at which vLLM's argument ``name`` changes nothing here."""
+    accepted, why = VLLM_ONLY_ARGS[name]
+    if not any(value == a and type(value) is type(a) for a in accepted) and not (
+            isinstance(value, int) and not isinstance(value, bool) and name == "max_seq_len_to_capture"):
+        raise ValueError(f"{name}={value!r} is not supported: {why} (accepted: "
+                         f"{', '.join(repr(a) for a in accepted)})")

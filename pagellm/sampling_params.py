@@ -18,6 +18,13 @@ class RequestOutputKind(enum.Enum):
 # Below this, temperature means greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
 
+# Bounds on one request's stop strings, so that one request cannot make every step costly for all:
+# each step does a little work per stop string, and each stop string's table is built once. vLLM
+# bounds the count only (VLLM_MAX_STOP_STRINGS, 4 by default, as OpenAI documents); 64 leaves room
+# for clients that send more.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 65_536
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -59,6 +66,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by validation: the normalised forms the engine uses.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    # The stop strings' matching tables, built on first use and shared by the request's sequences
+    # and streams (see StopStringMatcher).
+    stop_tables: dict[str, list[int]] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -88,7 +98,7 @@ class SamplingParams:
         return max((len(s) for s in self.stop_strings), default=0)
 
     def clone(self, **changes: object) -> "SamplingParams":
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+        fields = {k: getattr(self, k) for k, f in self.__dataclass_fields__.items() if f.init}
         fields.update(changes)
         return SamplingParams(**fields)  # type: ignore[arg-type]
 
@@ -130,6 +140,11 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+            total = sum(len(s) for s in stops)
+            if total > MAX_STOP_CHARS:
+                raise ValueError(f"stop must have at most {MAX_STOP_CHARS} characters in all, got {total}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids

@@ -40,3 +40,54 @@ def test_parse_memory_rejects_nonsense(bad):
 def test_engine_args_validation_names_the_flag(field, value, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(**{field: value})
+
+
+# ----------------------------------------------------------------- vLLM's arguments
+def test_vllm_arguments_that_scripts_pass_are_accepted(llama_path, caplog):
+    from pagellm import LLM, SamplingParams
+
+    with caplog.at_level("INFO"):
+        llm = LLM(str(llama_path), max_model_len=64, gpu_memory_utilization=0.01, enforce_eager=True,
+                  trust_remote_code=True, tensor_parallel_size=1, kv_cache_dtype="auto", seed=1, swap_space=0.5,
+                  served_model_name=["a", "b"], disable_log_stats=True, tokenizer_mode="auto", revision=None,
+                  distributed_executor_backend=None, max_seq_len_to_capture=8192)
+    assert "trust_remote_code has no effect" in caplog.text
+    assert "--gpu-memory-utilization 0.01" in caplog.text
+    assert llm.llm_engine.args.served_model_names == ["a", "b"]
+    out = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_available_memory(llama_path):
+    from pagellm import LLM
+    from pagellm.worker.cpu_tuning import available_host_memory
+
+    small = LLM(str(llama_path), max_model_len=64, gpu_memory_utilization=0.004)
+    blocks = small.kv_cache_stats().total_blocks
+    cache = small.llm_engine.cache_engine
+    block_bytes = sum(k.nbytes + v.nbytes for k, v in cache.kv_caches) / cache.num_blocks
+    expected = available_host_memory() * 0.004 / block_bytes
+    assert 0.8 < blocks / expected < 1.25  # other processes' memory moves a little in between
+    large = LLM(str(llama_path), max_model_len=64, gpu_memory_utilization=0.008).kv_cache_stats().total_blocks
+    assert 1.6 < large / blocks < 2.5
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensor_parallel_size=2), r"tensor_parallel_size \(--tensor-parallel-size\) must be 1, got 2"),
+    (dict(pipeline_parallel_size=2), r"pipeline_parallel_size \(--pipeline-parallel-size\) must be 1"),
+    (dict(kv_cache_dtype="fp8"), "'fp8' is not supported yet: only 'auto'"),
+    (dict(quantization="awq"), "'awq' is not supported yet"),
+    (dict(gpu_memory_utilization=0), r"must be a number in \(0, 1\]"),
+    (dict(served_model_name=[]), "served_model_name"),
+    (dict(tokenizer_mode="mistral"), "tokenizer_mode='mistral' is not supported: .*accepted: 'auto', 'hf'"),
+    (dict(revision="main"), "revision='main' is not supported: pagellm loads local folders only"),
+    (dict(enable_lora=True), "LoRA adapters are not supported yet"),
+])
+def test_vllm_values_pagellm_cannot_honour_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs.from_kwargs(**kwargs)
+
+
+def test_a_name_neither_engine_knows_is_still_unknown():
+    with pytest.raises(TypeError, match="unknown engine argument.*gpu_memory_utilisation"):
+        EngineArgs.from_kwargs(gpu_memory_utilisation=0.5)

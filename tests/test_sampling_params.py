@@ -54,3 +54,20 @@ def test_normalisation():
 def test_the_whole_seed_range_is_taken():
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_stop_strings_are_bounded():
+    from pagellm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    SamplingParams(stop=["x" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] * MAX_STOP_STRINGS)  # at the limits
+    with pytest.raises(ValueError, match=rf"stop must have at most {MAX_STOP_STRINGS} strings, got 100"):
+        SamplingParams(stop=["x"] * 100)
+    with pytest.raises(ValueError, match=rf"stop must have at most {MAX_STOP_CHARS} characters in all, got 100000"):
+        SamplingParams(stop=["x" * 50_000, "y" * 50_000])
+
+
+def test_clone_starts_with_its_own_stop_tables():
+    p = SamplingParams(stop=["ab"])
+    p.stop_tables["ab"] = [0, 0]
+    q = p.clone(max_tokens=3)
+    assert q.stop_strings == ["ab"] and q.stop_tables == {} and q == p.clone(max_tokens=3)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagellm.bench.report import progress
 from pagellm.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class BackendResult:
         }
 
 
-def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any]) -> tuple[BackendResult, Any]:
+def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any],
+                label: str = "pagellm") -> tuple[BackendResult, Any]:
     """Run on pagellm; returns the result and the LLM (its step log feeds the roofline)."""
     from pagellm import LLM, SamplingParams
 
@@ -62,7 +64,7 @@ def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict
     llm.reset_prefix_cache()
     llm.llm_engine.step_log = []
     t0 = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outs = llm.generate(workload.prompts, params, use_tqdm=lambda **kw: progress(label, kw["total"]))
     elapsed = time.perf_counter() - t0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == workload.output_tokens, f"pagellm produced {got} tokens, expected {workload.output_tokens}"
@@ -93,13 +95,15 @@ def run_hf(model: Path, workload: Workload, dtype: str) -> BackendResult:
     produced = 0
     with torch.inference_mode():
         hf.generate(torch.tensor([workload.prompts[0][:8]]), max_new_tokens=2, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        for prompt, out_len in zip(workload.prompts, workload.output_lens):
-            ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
-                              do_sample=workload.n > 1, num_return_sequences=workload.n)
-            produced += (out.shape[1] - len(prompt)) * out.shape[0]
-        elapsed = time.perf_counter() - t0
+        with progress("hf", workload.num_requests) as bar:
+            t0 = time.perf_counter()
+            for prompt, out_len in zip(workload.prompts, workload.output_lens):
+                ids = torch.tensor([prompt])
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                                  min_new_tokens=out_len, do_sample=workload.n > 1, num_return_sequences=workload.n)
+                produced += (out.shape[1] - len(prompt)) * out.shape[0]
+                bar.update(1)
+            elapsed = time.perf_counter() - t0
     return BackendResult("hf", elapsed, workload.num_requests, workload.prompt_tokens, produced)
 
 
@@ -112,10 +116,9 @@ def run_hf_batched(model: Path, workload: Workload, dtype: str,
     """
     hf = _hf_model(model, dtype)
     per_size: dict[int, float] = {}
-    with torch.inference_mode():
-        for bs in batch_sizes:
-            if bs > workload.num_requests and per_size:
-                break
+    sizes = [bs for i, bs in enumerate(batch_sizes) if i == 0 or bs <= workload.num_requests]
+    with torch.inference_mode(), progress("hf-batched", workload.num_requests * len(sizes)) as bar:
+        for bs in sizes:
             t0 = time.perf_counter()
             for start in range(0, workload.num_requests, bs):
                 prompts = workload.prompts[start:start + bs]
@@ -128,6 +131,7 @@ def run_hf_batched(model: Path, workload: Workload, dtype: str,
                 new = max(workload.output_lens[start:start + bs])
                 hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                             do_sample=workload.n > 1, num_return_sequences=workload.n)
+                bar.update(len(prompts))
             per_size[bs] = time.perf_counter() - t0
     best = min(per_size, key=lambda b: per_size[b])
     return BackendResult("hf-batched", per_size[best], workload.num_requests, workload.prompt_tokens,
@@ -155,6 +159,7 @@ def run_hf_cb(model: Path, workload: Workload, dtype: str) -> BackendResult:
             for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
                 manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
             produced, done = 0, 0
+            bar = progress("hf-cb", workload.num_requests * workload.n, unit="seq")
             while done < workload.num_requests * workload.n:
                 result = manager.get_result(timeout=5)
                 if result is None:
@@ -164,7 +169,9 @@ def run_hf_cb(model: Path, workload: Workload, dtype: str) -> BackendResult:
                 if result.is_finished():
                     done += 1
                     produced += len(result.generated_tokens)
+                    bar.update(1)
             elapsed = time.perf_counter() - t0
+            bar.close()
     except Exception as e:  # a peer failing must not sink the whole benchmark
         logger.warning("hf-cb failed: %s", e)
         return BackendResult("hf-cb", 0.0, workload.num_requests, workload.prompt_tokens, 0,

@@ -50,19 +50,36 @@ def append_markdown_row(path: Path, columns: list[str], values: list[Any]) -> Pa
     return path
 
 
+def warn_if_no_plots() -> None:
+    """Said before any work: without matplotlib the results and tables are written, the plots skipped."""
+    if _pyplot() is None:
+        print("matplotlib is not installed: results and tables will be written, plots skipped "
+              "(pip install 'pagellm[bench]' for them)")
+
+
 def _pyplot() -> Any:
+    """pyplot, or None (plots skipped) where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise RuntimeError("plots need matplotlib: pip install 'pagellm[bench]'") from e
+    except ImportError:
+        return None
     return plt
 
 
-def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Path:
+def progress(backend: str, total: int, unit: str = "req") -> Any:
+    """The progress bar of one backend's run (on stderr, so stdout keeps the results)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"{backend:>12}", unit=unit, dynamic_ncols=True, leave=True)
+
+
+def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Optional[Path]:
     plt = _pyplot()
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     bars = ax.bar(labels, values, color=["#2a7" if lbl == "pagellm" else "#889" for lbl in labels])
     ax.bar_label(bars, fmt="%.0f")
@@ -76,8 +93,10 @@ def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, ti
 
 
 def line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
-              title: str, log_x: bool = False) -> Path:
+              title: str, log_x: bool = False) -> Optional[Path]:
     plt = _pyplot()
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=name)

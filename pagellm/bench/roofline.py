@@ -45,11 +45,16 @@ def _best_time(fn: Any, repeat: int) -> float:
 
 def measure_machine(size: int = 2048, copy_bytes: int = 1 << 30, repeat: int = 5) -> MachineLimits:
     """Matmul rate (``torch.matmul`` at ``size``) in bf16 and fp32, and a large copy's bandwidth."""
+    from pagellm.model.loader import cpu_has_bf16
+
     rates = {}
     for dtype in (torch.bfloat16, torch.float32):
-        a = torch.randn(size, size, dtype=dtype)
-        b = torch.randn(size, size, dtype=dtype)
-        rates[dtype] = 2 * size**3 / _best_time(lambda: torch.matmul(a, b), repeat) / 1e12
+        # Without native bfloat16 (no AVX512-BF16 or AMX) torch's bf16 matmul is a slow emulation, a
+        # minute at full size: a small one measures the same (low) rate.
+        n = size if dtype is not torch.bfloat16 or cpu_has_bf16() else 256
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        rates[dtype] = 2 * n**3 / _best_time(lambda: torch.matmul(a, b), repeat) / 1e12
     src = torch.empty(copy_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)  # touched first: page faults are not bandwidth
     seconds = _best_time(lambda: dst.copy_(src), repeat)

@@ -183,13 +183,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", action="append", choices=list(SERVERS), default=None,
                    help="server to launch on the model; repeatable, each gets the same requests "
                         "(default: pagellm; transformers = `transformers serve --continuous-batching`)")
-    p.add_argument("--base-url", default=None, help="load an already running server instead of launching one")
-    p.add_argument("--served-model-name", default=None, help="the model name the server expects")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--base-url", default=None, help="load an already running server instead of launching one (default: launch --server)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name the server expects (default: the one its /v1/models lists)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' to a --base-url server")
     p.add_argument("--request-rate", type=_rate, nargs="+", default=[float("inf")],
                    help="requests/s (Poisson); several values run one after the other; inf: all at once")
-    p.add_argument("--max-concurrency", type=_at_least_one, default=None)
-    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="e.g. ttft:500 tpot:50")
+    p.add_argument("--max-concurrency", type=_at_least_one, default=None,
+                   help="most requests in flight at once (default: no limit)")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 (default: none, goodput = throughput)")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature of every request (default 0: greedy, as vllm bench serve)")

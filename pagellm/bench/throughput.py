@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagellm.bench import backends as be
-from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, write_json
+from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
 from pagellm.config import EngineArgs
 from pagellm.model.loader import check_model_folder
@@ -22,20 +22,25 @@ DEFAULT_OUTPUT = Path("benchmarks/results")
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: a random-weight --model-preset)")
-    p.add_argument("--model-preset", default="w1-llama", choices=list(MODEL_PRESETS))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel"))
+    p.add_argument("--model-preset", default="w1-llama", choices=list(MODEL_PRESETS),
+                   help="random-weight model built when no --model is given")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="weights and KV dtype")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"),
+                   help="prompt lengths in tokens, drawn uniformly")
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
+                   help="new tokens per request, drawn uniformly")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
+    p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel"),
+                   help="random prompts; prompts sharing a --prefix-len prefix; or --n samples per prompt")
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens every prompt starts with")
     p.add_argument("--n", type=int, default=4, help="parallel: samples per prompt")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT)
+    p.add_argument("--block-size", type=int, default=16, help="pagellm: tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="pagellm: bytes for the KV cache (default 2GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="pagellm: most sequences at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="pagellm: token budget of a step (default: the engine's, 2048)")
+    p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where results, tables and plots go")
 
 
 # Workloads draw with seed, seed + 1, ... (shared prefixes, one workload per serving rate): room is
@@ -99,6 +104,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str, Any]:
         raise ValueError(f"the longest request is {longest} tokens ({parts}--prompt-len MAX + --output-len MAX), "
                          f"more than {model_name}'s max_position_embeddings ({limit}): lower them")
     check_output_dir(args.output_dir)  # last: every other refusal comes first
+    warn_if_no_plots()
     return model, model_name, config
 
 
@@ -132,7 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_common_args(p)
     p.add_argument("--backend", action="append", choices=be.BACKENDS, default=None,
                    help="repeatable; default: all of " + ", ".join(be.BACKENDS))
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES))
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES),
+                   help="hf-batched: the static batch sizes tried (the best one is reported)")
     p.set_defaults(func=run)
 
 
@@ -161,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             limits = limits.best(measure_machine())
             roofline = decode_efficiency(llm, limits)
             if workload.name == "shared-prefix":
-                off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False))
+                off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False),
+                                        label="pagellm-no-prefix-cache")
                 extra["ttft_mean_s_prefix_cache"] = res.detail["ttft_mean_s"]
                 extra["ttft_mean_s_no_prefix_cache"] = off.detail["ttft_mean_s"]
                 extra["ttft_speedup_from_prefix_cache"] = off.detail["ttft_mean_s"] / res.detail["ttft_mean_s"]
@@ -175,8 +183,13 @@ def run(args: argparse.Namespace) -> int:
             res = be.run_hf_cb(model, workload, args.dtype)
         results[res.backend] = res
         took = time.perf_counter() - t0
-        note = f" (skipped: {res.skipped})" if res.skipped else ""
-        print(f"  ran {name} in {took:.1f} s{note}")
+        if res.skipped:
+            print(f"  {name}: skipped ({res.skipped})")
+        else:
+            # elapsed_s times the workload alone; the rest is loading the model, a warm-up and checks.
+            measured = "the best batch size's run" if name == "hf-batched" else "the workload"
+            print(f"  {name}: {res.elapsed_s:.2f} s for {measured} (elapsed_s); {took:.1f} s in all with loading "
+                  "and warm-up", flush=True)
     ours = results.get("pagellm")
     print(f"\n{'backend':26}{'req/s':>9}{'out tok/s':>12}{'total tok/s':>13}{'pagellm x':>11}")
     for name, r in results.items():
@@ -219,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Path:
+def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Optional[Path]:
     times, usage = [], []
     t = 0.0
     for s in step_log:

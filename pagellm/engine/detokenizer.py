@@ -23,6 +23,8 @@ class IncrementalDetokenizer:
         self._context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # The sequence's stop-string search, kept across steps by the engine (None without stop strings).
+        self.stop_matcher: Optional[StopStringMatcher] = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -70,27 +72,117 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
 
+def stop_string_table(stop: str) -> list[int]:
+    """KMP failure table of ``stop``: entry ``i`` is the length of the longest proper prefix of
+    ``stop[: i + 1]`` that is also a suffix of it."""
+    table = [0] * len(stop)
+    first = stop[0]
+    k = 0
+    i = 1
+    while i < len(stop):
+        if k == 0:
+            # Entries stay 0 until the first character comes back: jump to its next occurrence.
+            i = stop.find(first, i)
+            if i == -1:
+                break
+        c = stop[i]
+        while k and stop[k] != c:
+            k = table[k - 1]
+        if stop[k] == c:
+            k += 1
+        table[i] = k
+        i += 1
+    return table
+
+
+class StopStringMatcher:
+    """Stop-string search over a text that only grows, fed the new characters each time.
+
+    Per stop string it keeps the KMP state: the length of the longest prefix of the stop string
+    that the text ends with. A new character costs amortised O(1) per stop string, so the work per
+    step is proportional to the new text, not to the whole text nor to the stop strings' lengths.
+    The state is also the hold-back of a stream (``hold``).
+    """
+
+    def __init__(self, stops: list[str], tables: Optional[dict[str, list[int]]] = None, start: int = 0) -> None:
+        """``start``: where in the text the first character fed is (the index base of matches)."""
+        self.stops = stops
+        # Failure tables, built when first needed; a dict shared by every matcher of a request.
+        self.tables: dict[str, list[int]] = {} if tables is None else tables
+        self.states = [0] * len(stops)
+        self.length = start  # the text's length so far
+
+    def _table(self, stop: str) -> list[int]:
+        table = self.tables.get(stop)
+        if table is None:
+            table = self.tables[stop] = stop_string_table(stop)
+        return table
+
+    def feed(self, new_text: str) -> Optional[tuple[str, int]]:
+        """Append ``new_text``; return the stop string it completed that starts earliest (the first
+        listed on a tie), with its start index in the whole text, or None."""
+        best: Optional[tuple[str, int]] = None
+        end = len(new_text)
+        for j, stop in enumerate(self.stops):
+            k = self.states[j]
+            first = stop[0]
+            table: Optional[list[int]] = None
+            hit = -1
+            pos = 0
+            while pos < end:
+                if k == 0:
+                    # Nothing matched: only the stop string's first character can start a match.
+                    pos = new_text.find(first, pos)
+                    if pos == -1:
+                        break
+                c = new_text[pos]
+                if stop[k] != c:
+                    if table is None:
+                        table = self._table(stop)
+                    while k and stop[k] != c:
+                        k = table[k - 1]
+                if stop[k] == c:
+                    k += 1
+                    if k == len(stop):
+                        if hit < 0:
+                            hit = self.length + pos + 1 - k
+                        if table is None:
+                            table = self._table(stop)
+                        k = table[k - 1]
+                pos += 1
+            self.states[j] = k
+            if hit >= 0 and (best is None or hit < best[1]):
+                best = (stop, hit)
+        self.length += end
+        return best
+
+    @property
+    def hold(self) -> int:
+        """How many trailing characters of the text could still grow into a stop string: a stream
+        holds these back, so that a stop string never leaks out half-sent."""
+        return max(self.states, default=0)
+
+
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> Optional[tuple[str, int]]:
-    """The earliest stop string that the last ``new_chars`` characters completed, with its index."""
-    best: Optional[tuple[str, int]] = None
-    for stop in stops:
-        # Only matches that end inside the new text can be new.
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        idx = text.find(stop, start)
-        if idx != -1 and (best is None or idx < best[1]):
-            best = (stop, idx)
-    return best
+    """The earliest stop string that the last ``new_chars`` characters completed, with its index.
+
+    One-shot form; a text that grows step by step is better served by a ``StopStringMatcher``.
+    """
+    if not stops or new_chars <= 0:
+        return None
+    # A match that ends in the new text starts at most len(stop) - 1 characters before it.
+    start = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+    matcher = StopStringMatcher(stops, start=start)
+    matcher.feed(text[start : len(text) - new_chars])  # matches wholly in the old text do not count
+    return matcher.feed(text[len(text) - new_chars :])
 
 
 def stop_prefix_len(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` could still grow into a stop string.
-
-    A stream holds these back so that a stop string never leaks out half-sent.
-    """
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
+    """How many trailing characters of ``text`` could still grow into a stop string (the one-shot
+    form of ``StopStringMatcher.hold``)."""
+    if not stops:
+        return 0
+    # The held-back tail is shorter than the longest stop string.
+    matcher = StopStringMatcher(stops)
+    matcher.feed(text[max(0, len(text) - max(len(s) for s in stops) + 1) :])
+    return matcher.hold

@@ -16,16 +16,17 @@ import torch
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
-from pagellm.core.scheduler import Scheduler, SchedulerConfig, TokenLogprobs
+from pagellm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, TokenLogprobs
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
-from pagellm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagellm.model import loader
+from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.llama import head_dim_of, sliding_window_of
 from pagellm.model.registry import model_class_for
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
-from pagellm.worker.cpu_tuning import keep_freed_memory
+from pagellm.worker.cpu_tuning import available_host_memory, keep_freed_memory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
 
@@ -40,6 +41,9 @@ class ChatTemplateSyntaxError(ValueError):
 PromptType = Union[str, list[int], dict[str, Any]]
 
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+# A tokenizer folder holds one of these (the first three are what users are told to provide; the
+# last two are the files of older byte-level BPE and SentencePiece tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -112,6 +116,11 @@ class LLMEngine:
         torch.manual_seed(args.seed)
 
         self.tokenizer = self._load_tokenizer(args.tokenizer or str(folder))
+        # SamplingParams fields that requests leaving them unset take (generation_config.json's).
+        self.default_sampling_fields = default_sampling_fields(args.generation_config, folder)
+        if args.trust_remote_code:
+            logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
+                        "model classes")
         # Decoding several tokens at once gives the streamed text unless the tokenizer cleans up spaces
         # around punctuation ("do" "n't"), which depends on where a decoded window starts.
         self._decode_at_end_matches_stream = not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
@@ -216,11 +225,18 @@ class LLMEngine:
     def _resolve_num_blocks(self, block_bytes: int) -> int:
         if self.args.num_kv_blocks is not None:
             return self.args.num_kv_blocks
+        utilization = self.args.gpu_memory_utilization
         if self.args.kv_cache_memory is not None:
             budget = parse_memory(self.args.kv_cache_memory)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
+            budget = int(free * (utilization if utilization is not None else 0.9))
+        elif utilization is not None:
+            # vLLM's flag on a CPU: a share of the host memory still available now that the model is loaded.
+            available = available_host_memory()
+            budget = int(available * utilization)
+            logger.info("--gpu-memory-utilization %.2f of the %.1f GiB of host memory available: %.1f GiB for the "
+                        "KV cache", utilization, available / 2**30, budget / 2**30)
         else:
             budget = DEFAULT_CPU_KV_MEMORY
         return budget // block_bytes
@@ -229,6 +245,12 @@ class LLMEngine:
     def _load_tokenizer(path: str) -> Any:
         from transformers import AutoTokenizer
 
+        folder = Path(path)
+        if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"{path!r} has no tokenizer: none of {' / '.join(TOKENIZER_FILES[:3])} is there. Copy the model's "
+                "tokenizer files into it, or give a folder that has them with --tokenizer PATH (tokenizer=... in LLM)"
+            )
         try:
             return AutoTokenizer.from_pretrained(path)
         except Exception as e:  # transformers raises many types; all mean the same to a user
@@ -498,7 +520,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output for every request that made progress."""
-        sched = self.scheduler.schedule()
+        self._last_sched = None
+        sched = self._last_sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 # Cannot happen while one max_model_len sequence fits the cache; guard against a silent hang.
@@ -552,6 +575,25 @@ class LLMEngine:
                 self.requests.pop(rid, None)
         return outputs
 
+    # The schedule of the step running or last run: what a step that raised had in hand.
+    _last_sched: Optional[SchedulerOutput] = None
+
+    def last_step_request_ids(self) -> Optional[list[str]]:
+        """Ids of the requests the last step worked on: scheduled, preempted, or swapped in.
+
+        After ``step`` raised, these are the requests whose state is unknown (abort them; the rest
+        of the queue is untouched). None when that is not known: the step failed before it had a
+        schedule, or with no request in it.
+        """
+        sched = self._last_sched
+        if sched is None:
+            return None
+        seqs = [it.seq for it in sched.scheduled] + list(sched.preempted)
+        if sched.blocks_to_swap_in:  # swapped in for the next step: running, not scheduled yet
+            scheduled = {id(s) for s in seqs}
+            seqs += [s for s in self.scheduler.running if id(s) not in scheduled]
+        return list(dict.fromkeys(s.request.request_id for s in seqs)) or None
+
     def _detokenize(self, seq: Sequence) -> None:
         params = seq.params
         if not params.detokenize:
@@ -571,9 +613,13 @@ class LLMEngine:
         if not delta:
             return
         seq.text += delta
-        if params.stop_strings and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
-            hit = find_stop_string(seq.text, len(delta), params.stop_strings)
-            if hit is not None:
+        if params.stop_strings:
+            matcher = seq.detok.stop_matcher
+            if matcher is None:
+                matcher = seq.detok.stop_matcher = StopStringMatcher(params.stop_strings, params.stop_tables)
+            # Fed every delta (before min_tokens too), so that it examines only the new text.
+            hit = matcher.feed(delta)
+            if hit is not None and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
                 stop, idx = hit
                 seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
                 seq.stop_reason = stop

@@ -1,57 +1,102 @@
-"""The ``pagellm`` command: ``pagellm generate [--model PATH] [flags] PROMPT...``."""
+"""The ``pagellm`` command: ``generate``, ``serve`` and ``bench``.
+
+Only the parser of the command being run is built, and each command imports what it needs when it
+runs: ``pagellm --help`` answers without loading torch, and a plain install (no extras) runs every
+command but the benchmarks' plots.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from pagellm.config import EngineArgs
-from pagellm.sampling_params import SamplingParams
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # Sampling flags of `generate`: flag -> (SamplingParams field, type, help).
 SAMPLING_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--max-tokens": ("max_tokens", int, "new tokens per completion (default 16)"),
-    "--min-tokens": ("min_tokens", int, "generate at least this many tokens before EOS or stop"),
-    "--temperature": ("temperature", float, "0 is greedy (default 1.0)"),
-    "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1]"),
-    "--top-k": ("top_k", int, "keep the k most likely tokens; 0 disables"),
-    "--min-p": ("min_p", float, "drop tokens less likely than min_p times the most likely"),
-    "--repetition-penalty": ("repetition_penalty", float, "> 1 discourages repeats"),
-    "--presence-penalty": ("presence_penalty", float, "[-2, 2]"),
-    "--frequency-penalty": ("frequency_penalty", float, "[-2, 2]"),
-    "--n": ("n", int, "completions per prompt"),
-    "--sampling-seed": ("seed", int, "per-request sampling seed"),
-    "--logprobs": ("logprobs", int, "also print the top N logprobs of each token"),
+    "--max-tokens": ("max_tokens", int, "new tokens per completion (default 16, or generation_config.json's)"),
+    "--min-tokens": ("min_tokens", int, "generate at least this many tokens before EOS or stop (default 0)"),
+    "--temperature": ("temperature", float, "0 is greedy (default 1.0, or generation_config.json's)"),
+    "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1] (default 1.0, or generation_config.json's)"),
+    "--top-k": ("top_k", int, "keep the k most likely tokens; 0 disables (default 0, or generation_config.json's)"),
+    "--min-p": ("min_p", float, "drop tokens less likely than min_p times the most likely (default 0)"),
+    "--repetition-penalty": ("repetition_penalty", float, "> 1 discourages repeats (default 1.0)"),
+    "--presence-penalty": ("presence_penalty", float, "in [-2, 2] (default 0)"),
+    "--frequency-penalty": ("frequency_penalty", float, "in [-2, 2] (default 0)"),
+    "--n": ("n", int, "completions per prompt (default 1)"),
+    "--sampling-seed": ("seed", int, "per-request sampling seed (default: none, the engine's generator)"),
+    "--logprobs": ("logprobs", int, "also print the top N logprobs of each token (default: none)"),
 }
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help shows its default (unless the help text already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower()
+                or isinstance(action, argparse._HelpAction)):
+            return text
+        return f"{text} (default: {shown_default(action.default)})".lstrip()
+
+
+def shown_default(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value).replace("%", "%%")
+
+
+def add_log_level(parser: argparse.ArgumentParser, top: bool = False) -> None:
+    """``--log-level`` on the top parser and again on every command, so it works on either side."""
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                        default="INFO" if top else argparse.SUPPRESS,
+                        help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate completions for prompts given on the command line")
     EngineArgs.add_cli_args(p)
     s = p.add_argument_group("sampling")
     for flag, (dest, typ, help) in SAMPLING_FLAGS.items():
         s.add_argument(flag, dest=f"sp_{dest}", type=typ, default=None, help=help)
-    s.add_argument("--stop", dest="sp_stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None)
+    s.add_argument("--stop", dest="sp_stop", action="append", default=None,
+                   help="stop string, repeatable (default: none)")
+    s.add_argument("--ignore-eos", dest="sp_ignore_eos", action="store_true", default=None,
+                   help="keep generating past the end-of-sequence token (default: off)")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="prompts to complete (default: two example prompts)")
     p.set_defaults(func=_run_generate)
+    return p
+
+
+EXAMPLE_PROMPTS = ["The capital of France is", "Paged attention saves memory because"]
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagellm.entrypoints.llm import LLM
+    from pagellm.sampling_params import SamplingParams
 
+    prompts = args.prompts or EXAMPLE_PROMPTS
     fields = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
-    params = SamplingParams(**fields)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    # Unset fields take the model's generation_config.json defaults, as a server request's do.
+    params = SamplingParams(**{**llm.llm_engine.default_sampling_fields, **fields})
     if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
         outputs = llm.chat(conversations, params, use_tqdm=False)  # type: ignore[arg-type]
     else:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    for prompt, out in zip(args.prompts, outputs):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
         print(f"Prompt: {prompt!r}")
         for c in out.outputs:
             tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
@@ -64,32 +109,72 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from pagellm.bench import memory, serve, throughput
+def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pagellm.entrypoints.openai.cli_args import add_serve_parser
 
+    return add_serve_parser(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks against the peers: throughput, serve, memory")
-    bench_sub = p.add_subparsers(dest="bench_command", required=True)
-    throughput.add_parser(bench_sub)
-    serve.add_parser(bench_sub)
-    memory.add_parser(bench_sub)
+    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,memory}")
+    from pagellm.bench import memory, serve, throughput  # torch: only for `pagellm bench ...`
+
+    for module in (throughput, serve, memory):
+        module.add_parser(bench_sub)
+    return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="DEBUG, INFO, WARNING or ERROR")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    from pagellm.entrypoints.openai.api_server import add_serve_parser
+# command -> (one-line help for `pagellm --help`, the function that adds its parser)
+COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]] = {
+    "generate": ("generate completions for prompts given on the command line", _add_generate),
+    "serve": ("serve the OpenAI-compatible API", _add_serve),
+    "bench": ("benchmarks against the peers: throughput, serve, memory", _add_bench),
+}
 
-    add_serve_parser(sub)
-    _add_bench(sub)
+
+def _command_in(argv: Sequence[str]) -> Optional[str]:
+    """The command ``argv`` names (the first word that is not a top-level option or its value)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The parser; with ``argv``, only the command it names gets its flags (the others are listed)."""
+    parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine",
+                                     formatter_class=HelpFormatter)
+    add_log_level(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+    wanted = _command_in(argv) if argv is not None else None
+    for name, (help, add) in COMMANDS.items():
+        if argv is None or name == wanted:
+            command = add(sub)
+            _set_formatter(command)
+            add_log_level(command)
+        else:
+            sub.add_parser(name, help=help)
     return parser
 
 
+def _set_formatter(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _set_formatter(child)
+                add_log_level(child)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagellm.bench import BenchError
 

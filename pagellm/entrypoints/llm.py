@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Optional, Union
 
@@ -41,6 +42,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams: the model's
+        generation_config.json values (``generation_config="auto"``), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.default_sampling_fields)
+
     def beam_search(
         self, prompts: Union[PromptType, Seq[PromptType]], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
@@ -67,7 +73,7 @@ class LLM:
         self,
         prompts: Union[PromptType, Seq[PromptType]],
         sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         priority: Optional[Seq[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order.
@@ -78,7 +84,7 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -100,7 +106,7 @@ class LLM:
         self,
         messages: Union[list[Message], list[list[Message]]],
         sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
@@ -112,7 +118,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: Union[bool, Callable[..., Any]],
              priorities: Optional[list[int]] = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
@@ -126,7 +132,9 @@ class LLM:
             engine.abort_request(added)  # a bad prompt queues nothing of its batch
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        # use_tqdm may be a tqdm-like factory (vLLM's convention), called with tqdm's arguments.
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(finished) < len(ids) and engine.has_unfinished_requests():
                 for out in engine.step():

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -111,9 +112,13 @@ def load() -> Optional[ctypes.CDLL]:
     error = None
     for attempt in range(2):  # a cached library that no longer loads (another glibc?) is rebuilt once
         if attempt or not path.exists():
+            logger.info("compiling native CPU kernels for this CPU (first run only) ...")
+            t0 = time.perf_counter()
             error = _build(cc, path)
             if error is not None:
                 break
+            logger.info("compiled the native CPU kernels in %.1f s (cached in %s)", time.perf_counter() - t0,
+                        path.parent)
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:

@@ -117,16 +117,28 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# Checkpoints at least this large take seconds to read: loading them shows a progress bar.
+PROGRESS_MIN_BYTES = 256 * 2**20
+
+
 def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
+    from tqdm.auto import tqdm
 
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(f"cannot read the weights file {file}: {e} (is it truncated, or not safetensors?)") from e
+    files = safetensors_files(folder)
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", dynamic_ncols=True,
+              disable=total < PROGRESS_MIN_BYTES) as bar:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        tensor = f.get_tensor(name)
+                        bar.update(tensor.numel() * tensor.element_size())
+                        yield name, tensor
+            except SafetensorError as e:
+                raise ValueError(f"cannot read the weights file {file}: {e} (is it truncated, or not "
+                                 "safetensors?)") from e
 
 
 def load_model(

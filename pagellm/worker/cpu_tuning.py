@@ -67,3 +67,17 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         except (OSError, ValueError) as e:  # THP compiled out, mapping refused
             logger.debug("no huge-page mapping for a %d-byte pool: %s", size, e)
     return torch.zeros(shape, dtype=dtype)
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations (Linux's MemAvailable; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

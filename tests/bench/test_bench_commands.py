@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -74,6 +78,7 @@ def test_bench_serve_against_a_launched_server(tmp_path, capsys):
     assert (tmp_path / "serve-pagellm-random-tiny-llama-latency.png").exists()
 
 
+@pytest.mark.peers  # transformers serve's streaming changes between releases
 def test_bench_serve_sends_the_same_requests_to_pagellm_and_transformers_serve(tmp_path, capsys):
     rc = main(["bench", "serve", *TINY, "--server", "pagellm", "--server", "transformers", "--request-rate", "inf",
                "--output-dir", str(tmp_path)])
@@ -196,3 +201,31 @@ def test_a_launched_pagellm_server_gets_the_engine_flags():
     cmd = _pagellm_command("/m", 9000, args)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "512"
     assert cmd[cmd.index("--block-size") + 1] == "16" and cmd[cmd.index("--kv-cache-memory") + 1] == "2GiB"
+
+
+def test_each_backend_shows_progress_and_says_what_its_seconds_cover(tmp_path, capfd):
+    rc = main(["bench", "throughput", *TINY, "--backend", "pagellm", "--backend", "hf", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    captured = capfd.readouterr()
+    data = json.loads((tmp_path / "throughput-random-tiny-llama.json").read_text())
+    for backend in ("pagellm", "hf"):
+        elapsed = data["results"][backend]["elapsed_s"]
+        assert f"  {backend}: {elapsed:.2f} s for the workload (elapsed_s)" in captured.out
+        assert re.search(rf"{backend}: 100%.*\| 4/4", captured.err), captured.err  # its own progress bar
+
+
+def test_without_matplotlib_the_results_are_written_and_the_plots_skipped(tmp_path):
+    # A matplotlib that cannot be imported, first on the path: as on an install without the bench extra.
+    blocker = tmp_path / "blocker" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    env = {**os.environ, "PYTHONPATH": f"{blocker.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("MPLBACKEND", None)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "throughput", *TINY,
+                        "--backend", "pagellm", "--output-dir", str(out)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "matplotlib is not installed: results and tables will be written, plots skipped" in r.stdout
+    assert (out / "throughput-random-tiny-llama.json").is_file() and (out / "throughput.md").is_file()
+    assert not list(out.glob("*.png"))

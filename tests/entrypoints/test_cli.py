@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+import pytest
 
 from pagellm.config import EngineArgs
 from pagellm.entrypoints.cli import build_parser, main
@@ -64,5 +67,62 @@ def test_scheduler_and_sharing_flags():
     assert (ea.scheduling_policy, ea.swap_space, ea.preemption_mode) == ("priority", 0.5, "recompute")
     assert (ea.default_ttft_slo, ea.default_tpot_slo, ea.prefill_chunk_size) == (0.2, 0.05, 128)
     assert ea.enable_prefix_caching is False
-    assert (args.model_tag, args.max_waiting_requests, args.api_key) == ("/some/model", 7, "k")
+    assert (args.model_tag, args.max_waiting_requests, args.api_key) == ("/some/model", 7, ["k"])
     assert build_parser().parse_args(["serve", "--scheduling-policy", "sla"]).scheduling_policy == "sla"
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_help_imports_no_torch_and_serve_help_no_server_stack():
+    # `pagellm --help` must answer at once, and `serve --help` must work on a plain install (no httpx).
+    probe = ("import sys\nfrom pagellm.entrypoints.cli import main\ntry:\n    main({argv})\nexcept SystemExit:\n"
+             "    pass\nprint(sorted(m for m in ('torch', 'transformers', 'fastapi', 'httpx') if m in sys.modules))")
+    top = _run_python(probe.format(argv=["--help"]))
+    assert "{generate,serve,bench}" in top.stdout and top.stdout.strip().endswith("[]")
+    serve = _run_python(probe.format(argv=["serve", "--help"]))
+    assert "--gpu-memory-utilization" in serve.stdout and serve.stdout.strip().endswith("[]")
+
+
+def _all_parsers():
+    parser = build_parser()
+    found = {}
+
+    def walk(p, name):
+        found[name] = p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child_name, child in action.choices.items():
+                    walk(child, f"{name} {child_name}".strip())
+
+    walk(parser, "")
+    return found
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    parsers = _all_parsers()
+    assert {"serve", "generate", "bench throughput", "bench serve", "bench memory"} <= set(parsers)
+    for name, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._get_help_string(action) or ""
+            flag = f"pagellm {name} {action.option_strings[0]}"
+            assert action.help, f"{flag} has no help"
+            assert "default" in text.lower(), f"{flag}'s help does not show its default: {text!r}"
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "DEBUG", "serve"], ["serve", "--log-level", "DEBUG"],
+                                  ["bench", "throughput", "--log-level", "debug"]])
+def test_log_level_goes_before_or_after_the_command(argv):
+    assert build_parser(argv).parse_args(argv).log_level == "DEBUG"
+    assert build_parser(["serve"]).parse_args(["serve"]).log_level == "INFO"
+
+
+def test_generate_without_prompts_completes_the_examples(llama_path, capsys):
+    assert main(["generate", "--model", str(llama_path), "--max-seq-len", "64", "--num-kv-blocks", "16",
+                 "--max-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Prompt: 'The capital of France is'" in out and out.count("Completion: ") == 2

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -513,3 +517,23 @@ def test_wrong_shapes_are_refused_with_a_message():
         native.paged_decode_attention(torch.zeros(1, 4, 64), k_cache, token_major, tables, lens, scratch, 1.0)
     with pytest.raises(ValueError, match="value pool .* does not match the key pool"):
         native.paged_prefill_attention(torch.zeros(5, 4, 64), k_cache, token_major, tables[0], 0, 1.0)
+
+
+@needs_kernel
+def test_the_first_build_is_announced_with_its_time(tmp_path):
+    # A compiler stand-in that copies the library this session built: the messages are under test,
+    # not the compiler's 10-35 s.
+    built = native.load()._name
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo stand-in 1.0; exit 0; fi\n'
+                  f'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then cp "{built}" "$2"; fi; shift; done\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "PAGELLM_CACHE_DIR": str(tmp_path / "cache")}
+    probe = ("import logging; logging.basicConfig(level='INFO')\n"
+             "from pagellm.kernels import native\nassert native.load() is not None")
+    first = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "compiling native CPU kernels for this CPU (first run only) ..." in first.stderr
+    assert re.search(r"compiled the native CPU kernels in \d+\.\d s", first.stderr)
+    again = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "compiling" not in again.stderr  # cached: nothing to announce

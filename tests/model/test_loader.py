@@ -146,3 +146,25 @@ def test_devices_and_dtype_aliases(llama_path):
 def test_a_kv_cache_larger_than_memory_is_refused_with_the_flags_to_lower(llama_path):
     with pytest.raises(ValueError, match=r"cannot allocate the KV cache: .* lower --kv-cache-memory, --num-kv-blocks"):
         LLM(str(llama_path), max_model_len=64, kv_cache_memory="100TiB")
+
+
+def test_a_folder_without_tokenizer_names_the_files_and_the_flag(llama_path, tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for f in llama_path.iterdir():
+        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, folder / f.name)
+    with pytest.raises(ValueError, match="none of tokenizer.json / tokenizer.model / tokenizer_config.json.*"
+                                         "--tokenizer PATH"):
+        LLM(str(folder), max_model_len=64, num_kv_blocks=16)
+    llm = LLM(str(folder), tokenizer=str(llama_path), max_model_len=64, num_kv_blocks=16)
+    assert llm.generate("Hello", SamplingParams(max_tokens=1))[0].outputs[0].token_ids
+
+
+def test_large_checkpoints_show_loading_progress(llama_path, monkeypatch, capsys):
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)  # the tiny checkpoint counts as large
+    LLM(str(llama_path), max_model_len=64, num_kv_blocks=16)
+    assert "Loading weights" in capsys.readouterr().err
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 2**40)
+    LLM(str(llama_path), max_model_len=64, num_kv_blocks=16)
+    assert "Loading weights" not in capsys.readouterr().err

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import math
-import os
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
 
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,42 +31,56 @@ from pagellm.config import EngineArgs, parse_memory
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
+from pagellm.engine.stats_logger import StatsLogger
+from pagellm.entrypoints.openai.cli_args import api_keys_from_env
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
+from pagellm.entrypoints.openai.http_protocol import with_head_timeout
 from pagellm.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger("pagellm.server")
 
 M = TypeVar("M", bound=BaseModel)
-DEFAULT_MAX_BODY = "1MiB"
 
 
 class BodyTooLarge(Exception):
     pass
 
 
+class BodyReadTimeout(Exception):
+    pass
+
+
 class GuardMiddleware:
-    """API key check (constant-time) on every route but /health, and a request-body size limit.
+    """API key check (constant-time) on every route but /health, a request-body size limit, and a
+    deadline for the body (a client trickling it in holds a connection, not the server).
 
     Plain ASGI rather than a BaseHTTPMiddleware, so handlers still see client disconnects.
     """
 
-    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] = (), max_body_bytes: int = 2**20,
+                 body_read_timeout: float = math.inf) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = [key.encode() for key in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout = body_read_timeout
+
+    def _authorized(self, auth: bytes) -> bool:
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        # Every key is compared (no early exit), so the time taken does not tell which one nearly matched.
+        matches = [hmac.compare_digest(token, key) for key in self.api_keys]
+        return any(matches)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] != "/health":
+        if self.api_keys and scope["path"] != "/health":
             auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
+            if not self._authorized(auth):
                 message = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
                            else "invalid API key")
                 await JSONResponse(error_body(401, message), status_code=401,
@@ -73,14 +91,22 @@ class GuardMiddleware:
             await self._too_large(scope, receive, send)
             return
         seen = 0
+        deadline = time.monotonic() + self.body_read_timeout
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body, receive() only waits for a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise BodyReadTimeout() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
                     raise BodyTooLarge()
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -96,6 +122,9 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raw = await request.body()
     except BodyTooLarge:
         raise APIError(413, "the request body is larger than the server's limit; send less") from None
+    except BodyReadTimeout:
+        raise APIError(408, "the request body did not arrive within the server's --body-read-timeout; "
+                            "send it at once") from None
     except ClientDisconnect:  # gone before the body was whole: nobody to answer, nothing to log
         raise APIError(400, "the client disconnected before sending the whole body") from None
     try:
@@ -110,14 +139,29 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise from_validation_error(e) from e
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
+@dataclass
+class CORSSettings:
+    """``--allowed-origins`` and its companions; CORS is off without origins."""
+
+    allowed_origins: Optional[list[str]] = None
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: Optional[Union[str, Sequence[str]]] = None,
               max_waiting_requests: Optional[int] = None, max_body_bytes: int = 2**20,
-              chat_template: Optional[str] = None) -> FastAPI:
+              chat_template: Optional[str] = None, aliases: Sequence[str] = (),
+              body_read_timeout: float = math.inf, cors: Optional[CORSSettings] = None) -> FastAPI:
+    """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
+    use, ``api_key`` one key or several (each accepted)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(metrics.on_step)
+    if not engine.args.disable_log_stats:
+        async_engine.step_callbacks.append(StatsLogger(engine).on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
-    serving = OpenAIServing(async_engine, model_name, chat_template)
+    serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +186,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+        # The exception's headers too: a 405 names the methods the route allows (Allow), as HTTP asks.
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -153,20 +198,35 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
     async def _too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
         return error_response(APIError(413, "the request body is larger than the server's limit; send less"))
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if async_engine.is_running else 503)
+    @app.exception_handler(BodyReadTimeout)
+    async def _slow_body(_: Request, exc: BodyReadTimeout) -> JSONResponse:
+        return error_response(APIError(408, "the request body did not arrive within the server's "
+                                            "--body-read-timeout; send it at once"))
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        # 503 once the engine failed for good (the process is exiting) or is shutting down.
+        problem = async_engine.health()
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "message": problem}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": pagellm.__version__}
 
-    @app.get("/v1/models")
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagellm",
+                "root": str(engine.model_path), "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "pagellm",
-            "root": str(engine.model_path), "max_model_len": engine.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card(name) for name in serving.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        serving.check_model(model)
+        return model_card(model)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -203,33 +263,17 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
+                       body_read_timeout=body_read_timeout)
+    if cors is not None and cors.allowed_origins:
+        # Outside the key check: a browser's preflight carries no Authorization header.
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     return app
 
 
 # ----------------------------------------------------------------------- CLI
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="model folder (same as --model); none: the embedded default")
-    EngineArgs.add_cli_args(p)
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $PAGELLM_API_KEY)")
-    s.add_argument("--served-model-name", default=None, help="the model's name in the API")
-    s.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or the path of a file holding one, used instead of the "
-                        "tokenizer's own")
-    s.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="beyond this many queued requests, answer 503 with Retry-After")
-    s.add_argument("--max-request-body-size", default=DEFAULT_MAX_BODY, help="largest request body (413 above)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running requests get to finish after SIGTERM before they are aborted")
-    p.set_defaults(func=run_server)
-
-
 def load_chat_template(value: Optional[str]) -> Optional[str]:
     """``--chat-template``: a file's contents, or the template itself (vLLM's rule: text with a Jinja
     block or variable is a template; anything else must be a file)."""
@@ -266,22 +310,56 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    for flag in ("timeout_keep_alive", "body_read_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive, finite number of seconds, "
+                             f"got {getattr(args, flag)}")
     max_body = parse_memory(args.max_request_body_size)
     chat_template = load_chat_template(args.chat_template)
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    # The port is taken before the model loads: a port in use is reported at once, not after a long load.
+    sock = bind_socket(args.host, args.port)
+    engine = LLMEngine(engine_args)
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
-    name = args.served_model_name or (args.model if args.model is not None else engine.model_path.name)
-    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=max_body, chat_template=chat_template)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(config)
+    names = engine_args.served_model_names or [args.model if args.model is not None else engine.model_path.name]
+    name = names[0]
+    api_keys = args.api_key if args.api_key is not None else api_keys_from_env()
+    cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+    app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,
+                    max_body_bytes=max_body, chat_template=chat_template, aliases=names[1:],
+                    body_read_timeout=args.body_read_timeout, cors=cors)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                            access_log=False, timeout_keep_alive=args.timeout_keep_alive,
+                            http=with_head_timeout(args.body_read_timeout))
+    # SIGTERM: requests still running when --shutdown-timeout expires are aborted through the engine
+    # (clients get finish_reason "abort" and [DONE]); an engine that failed for good exits 1.
+    from pagellm.entrypoints.openai.shutdown import EngineServer
+
+    server = EngineServer(config, app.state.async_engine)
     # uvicorn re-raises the signal that stopped it once shutdown is done, which would make the exit
     # status 128+N; with these no-op handlers restored under it, a graceful SIGTERM exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     logger.info("listening on http://%s:%d (model %r)", args.host, args.port, name)
-    server.run()
-    return 0
+    server.run(sockets=[sock])
+    return server.exit_code
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); ValueError naming the port and the flag when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use: stop what holds it, or choose another "
+                             "port with --port") from e
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 

@@ -1,17 +1,30 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
-Bodies are strict: a wrong type or an unknown field is a 400 that names it. Fields
-OpenAI defines but this server does not implement are declared, so that the
-refusal can say "not supported" rather than "unknown".
+Bodies are strict: a wrong type or an unknown field is a 400 that names it. Fields that OpenAI or
+vLLM define fall in three groups: implemented; accepted and ignored, as they do not change what is
+generated (``IGNORED``); declared only to be refused by name, as they would change the output and
+are not implemented (``REFUSED``), unless given the value that changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import logging
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm.server")
+
+# Ignored field names already logged: once each, not once per request.
+_logged_ignored: set[str] = set()
+
+
+def note_ignored(name: str) -> None:
+    if name not in _logged_ignored:
+        _logged_ignored.add(name)
+        logger.debug("the request field '%s' does not change what is generated here: accepted and ignored", name)
 
 
 class StrictModel(BaseModel):
@@ -20,6 +33,12 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's: usage (so far) on every chunk too; with include_usage only, as in vLLM.
+    continuous_usage_stats: bool = False
+    # OpenAI's: random padding against length side channels; these streams carry none.
+    include_obfuscation: Optional[bool] = None
+
+    IGNORED: ClassVar[tuple[str, ...]] = ("include_obfuscation",)
 
 
 class SamplingFields(StrictModel):
@@ -36,7 +55,15 @@ class SamplingFields(StrictModel):
     logit_bias: Optional[dict[str, float]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    response_format: Optional[dict[str, Any]] = None
+    # Accepted and ignored (IGNORED).
     user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    length_penalty: Optional[float] = None  # vLLM's, for beam search only
     # vLLM extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -50,9 +77,55 @@ class SamplingFields(StrictModel):
     cache_salt: Optional[str] = None
     ttft_slo: Optional[float] = None  # seconds, for --scheduling-policy sla
     tpot_slo: Optional[float] = None
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)  # keep the prompt's last N tokens
+    # vLLM's, declared only to be refused by name (REFUSED).
+    use_beam_search: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structural_tag: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[bool] = None
 
-    def sampling_params(self, max_tokens: Optional[int], **extra: Any) -> SamplingParams:
-        """Raises ValueError naming the field on an invalid value."""
+    IGNORED: ClassVar[tuple[str, ...]] = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
+                                          "safety_identifier", "length_penalty")
+    # name -> the values (besides null) that change nothing, and so are accepted.
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "use_beam_search": (False,), "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
+        "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
+        "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
+    }
+
+    @model_validator(mode="after")
+    def _note_ignored_fields(self) -> "SamplingFields":
+        for name in self.IGNORED:
+            if name in self.model_fields_set:
+                note_ignored(name)
+        if self.stream_options is not None:
+            for name in StreamOptions.IGNORED:
+                if name in self.stream_options.model_fields_set:
+                    note_ignored(f"stream_options.{name}")
+        return self
+
+    def unsupported_field(self) -> Optional[str]:
+        """The first field given that would change the output but is not implemented here."""
+        for name, noops in self.REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and not any(type(value) is type(v) and value == v for v in noops):
+                return name
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
+
+    def sampling_params(self, max_tokens: Optional[int], defaults: Optional[dict[str, Any]] = None,
+                        **extra: Any) -> SamplingParams:
+        """Raises ValueError naming the field on an invalid value. ``defaults`` (the model's
+        generation_config.json values) fill the sampling fields the request leaves unset."""
         bias = None
         if self.logit_bias:
             # Plain ASCII digits only: int() would also take " 5", "1_0", "-1" and other scripts' digits.
@@ -61,13 +134,14 @@ class SamplingFields(StrictModel):
                 raise ValueError(f"logit_bias keys must be token ids written as non-negative integers "
                                  f"(\"42\"), got {bad[:5]}")
             bias = {int(k): v for k, v in self.logit_bias.items()}
-        optional = {
+        given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
         }
+        optional = {k: v if v is not None else (defaults or {}).get(k) for k, v in given.items()}
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -81,6 +155,7 @@ class SamplingFields(StrictModel):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             **{k: v for k, v in optional.items() if v is not None},
             **extra,
         )
@@ -88,6 +163,11 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: vLLM's ``continuous_usage_stats``, which needs ``include_usage``."""
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -97,6 +177,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
+    add_special_tokens: bool = True  # vLLM's: False tokenizes a text prompt without BOS and the like
 
 
 class ChatMessage(BaseModel):
@@ -107,37 +188,43 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                           "audio", "modalities", "prediction", "web_search_options")
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
-    # Declared only to be refused by name.
+    # Accepted and ignored: no tools can be given (they are refused), and no reasoning is parsed out.
+    parallel_tool_calls: Optional[bool] = None
+    include_reasoning: Optional[bool] = None
+    # Declared only to be refused by name (REFUSED).
     tools: Optional[Any] = None
     tool_choice: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
-    parallel_tool_calls: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    # vLLM's chat extensions that change the prompt.
+    echo: Optional[bool] = None
+    add_special_tokens: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    documents: Optional[list[Any]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    def unsupported_field(self) -> Optional[str]:
-        for name in UNSUPPORTED_CHAT_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not (name == "tool_choice" and value == "none"):
-                return name
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return None
+    IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "parallel_tool_calls", "include_reasoning")
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingFields.REFUSED,
+        "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "audio": (),
+        "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+        "echo": (False,), "add_special_tokens": (False,), "continue_final_message": (False,), "documents": ([],),
+        "chat_template": (), "chat_template_kwargs": ({},),
+    }
 
 
 class TokenizeRequest(StrictModel):

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from pagellm.engine.llm_engine import ChatTemplateSyntaxError
-from pagellm.engine.detokenizer import stop_prefix_len
+from pagellm.engine.detokenizer import StopStringMatcher
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_value_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -43,6 +43,8 @@ class ChoiceState:
     logprob_offset: int = 0  # text_offset where the next logprob token starts
     started: bool = False
     finished: bool = False
+    # The stop-string search over the text seen so far, fed only what each output adds to it.
+    stops: Optional[StopStringMatcher] = None
 
 
 @dataclass
@@ -61,11 +63,15 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: Optional[str] = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: Optional[str] = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # the name responses report
+        self.model_names = (model_name, *aliases)  # every name a request may use (--served-model-name)
+        # Sampling defaults of requests that leave them unset (the model's generation_config.json).
+        self.defaults = self.llm.default_sampling_fields
         self.max_model_len = self.llm.max_model_len
         self.chat_template = chat_template  # None: the tokenizer's own
         # Tokenizing (and chat templates) off the event loop, so that a long prompt does not stall
@@ -81,8 +87,9 @@ class OpenAIServing:
 
     # --------------------------------------------------------------- common
     def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}",
                            param="model", code="model_not_found")
 
     def _check_length(self, prompt_len: int, max_tokens: int, what: str = "prompt",
@@ -179,15 +186,39 @@ class OpenAIServing:
         completion = sum(len(c.token_ids) for out in job.finals.values() for c in out.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _visible_text(self, c: CompletionOutput, params: SamplingParams) -> str:
+    @staticmethod
+    def _chunk_usage(job: Job, prompt_index: int, completion_tokens: int) -> dict[str, Any]:
+        """A chunk's ``usage`` under continuous usage stats: its choice's prompt and tokens so far, as in vLLM."""
+        prompt = len(job.prompt_ids[prompt_index])
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt + completion_tokens}}
+
+    def _check_fields(self, req: Any) -> None:
+        """400 for fields that would change the output and are not implemented here."""
+        unsupported = req.unsupported_field()
+        if unsupported:
+            raise APIError(400, f"'{unsupported}' is not supported by this server; remove it", param=unsupported)
+        if not req.spaces_between_special_tokens and not getattr(self.tokenizer, "is_fast", False):
+            # A fast tokenizer's decoding has no such option (nor does vLLM's use of it); a slow one's has.
+            raise APIError(400, "spaces_between_special_tokens=false is not supported by this server; remove it",
+                           param="spaces_between_special_tokens")
+
+    @staticmethod
+    def _visible_text(c: CompletionOutput, params: SamplingParams, st: ChoiceState) -> str:
         """Text a stream may send now: a tail that could still become a stop string is held back."""
         if c.finish_reason is not None or not params.stop_strings:
             return c.text
-        return c.text[: len(c.text) - stop_prefix_len(c.text, params.stop_strings)]
+        if st.stops is None or st.stops.length > len(c.text):  # (the engine's text only grows)
+            # Only the last max_stop_string_len - 1 characters can be held back: start there.
+            start = max(0, len(c.text) - params.max_stop_string_len + 1)
+            st.stops = StopStringMatcher(params.stop_strings, params.stop_tables, start=start)
+        st.stops.feed(c.text[st.stops.length:])
+        return c.text[: len(c.text) - st.stops.hold]
 
     # ------------------------------------------------------------ completions
     async def completions(self, req: CompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
+        self._check_fields(req)
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported by this server; remove it", param="suffix")
         if req.max_tokens is not None and req.max_tokens < 0:
@@ -199,10 +230,13 @@ class OpenAIServing:
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError(400, f"best_of ({req.best_of}) > n ({req.n}) cannot be streamed: which samples are the "
                                 "best is known only at the end; drop stream or best_of", param="best_of")
-        prompts = await self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt, req.add_special_tokens, req.truncate_prompt_tokens)
+        # Left out, max_tokens is the model's generation_config.json max_new_tokens, else OpenAI's 16.
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else self.defaults.get("max_tokens", 16)
         try:
             params = req.sampling_params(
-                max_tokens=1 if echo_only else req.max_tokens,
+                max_tokens=1 if echo_only else max_tokens,
+                defaults=self.defaults,
                 best_of=req.best_of,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
@@ -234,7 +268,8 @@ class OpenAIServing:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": usage}
 
-    async def _completion_prompts(self, prompt: Any) -> list[tuple[str, list[int]]]:
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True,
+                                  truncate: Optional[int] = None) -> list[tuple[str, list[int]]]:
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             items = [prompt]
         else:
@@ -245,15 +280,22 @@ class OpenAIServing:
         if limit is not None and len(items) > limit:
             raise APIError(400, f"{len(items)} prompts in one request, but the server queues at most {limit} "
                                 "requests: send them in smaller batches", param="prompt")
-        return await self.off_loop(self._tokenize_all, items)
+        return await self.off_loop(self._tokenize_all, items, add_special_tokens, truncate)
 
-    def _tokenize_all(self, items: list[Any]) -> list[tuple[str, list[int]]]:
+    def _tokenize_all(self, items: list[Any], add_special_tokens: bool = True,
+                      truncate: Optional[int] = None) -> list[tuple[str, list[int]]]:
+        """(text, ids) of each prompt; ``truncate``: keep only the last that many tokens (vLLM's
+        ``truncate_prompt_tokens``), the text then being theirs."""
         out = []
         for item in items:
+            if isinstance(item, str) and item and not add_special_tokens:
+                item = {"prompt": item, "prompt_token_ids": self.tokenizer.encode(item, add_special_tokens=False)}
             try:
                 text, ids = self.llm.tokenize_prompt(item)
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from e
+            if truncate is not None and len(ids) > truncate:
+                ids, text = ids[-truncate:], None
             out.append((text if text is not None else self.tokenizer.decode(ids), ids))
         return out
 
@@ -291,13 +333,15 @@ class OpenAIServing:
     async def _completion_chunks(self, job: Job, req: CompletionRequest, rid: str, created: int,
                                  echo_only: bool) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
-        usage_field = {"usage": None} if req.include_usage else {}
+        usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         async for p, out in self._merged(job):
             for c in out.outputs:
                 index = p * req.n + c.index
                 st = states.setdefault(index, ChoiceState())
                 if st.finished:
                     continue
+                if req.continuous_usage:
+                    usage_field = self._chunk_usage(job, p, 0 if echo_only else len(c.token_ids))
                 if echo_only:
                     choice = self._completion_choice(index, out, c, req, True)
                     if not out.finished:
@@ -306,7 +350,7 @@ class OpenAIServing:
                     yield sse({"id": rid, "object": "text_completion", "created": created,
                                "model": self.model_name, "choices": [choice], **usage_field})
                     continue
-                visible = self._visible_text(c, job.params)
+                visible = self._visible_text(c, job.params, st)
                 delta = visible[st.text_sent:]
                 echo_text = (out.prompt or "") if req.echo and not st.started else ""
                 logprobs = None
@@ -361,15 +405,16 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     truncate: Optional[int] = None) -> tuple[str, list[int]]:
         ids = self.chat_prompt_ids(messages, add_generation_prompt)
+        if truncate is not None:  # vLLM's truncate_prompt_tokens: the last that many tokens
+            ids = ids[-truncate:]
         return self.tokenizer.decode(ids), ids
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
-        unsupported = req.unsupported_field()
-        if unsupported:
-            raise APIError(400, f"'{unsupported}' is not supported by this server; remove it", param=unsupported)
+        self._check_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -380,11 +425,12 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", param=limit_name)
-        text, ids = await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt)
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(ids))
+        text, ids = await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt,
+                                        req.truncate_prompt_tokens)
+        if max_tokens is None:  # the room left, or less where generation_config.json says so
+            max_tokens = max(1, min(self.max_model_len - len(ids), self.defaults.get("max_tokens", self.max_model_len)))
         try:
-            params = req.sampling_params(max_tokens=max_tokens,
+            params = req.sampling_params(max_tokens=max_tokens, defaults=self.defaults,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         except ValueError as e:
             raise from_value_error(e) from e
@@ -426,23 +472,24 @@ class OpenAIServing:
 
     async def _chat_chunks(self, job: Job, req: ChatCompletionRequest, rid: str, created: int) -> AsyncIterator[str]:
         states: dict[int, ChoiceState] = {}
-        usage_field = {"usage": None} if req.include_usage else {}
+        usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         top_n = req.top_logprobs or 0
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk(choice: dict[str, Any], completion_tokens: int) -> str:
+            usage = self._chunk_usage(job, 0, completion_tokens) if req.continuous_usage else usage_field
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                        "choices": [choice], **usage_field})
+                        "choices": [choice], **usage})
 
         for i in range(job.params.n):  # the role comes first, for every choice
             states[i] = ChoiceState(started=True)
             yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
+                         "finish_reason": None}, 0)
         async for _, out in self._merged(job):
             for c in out.outputs:
                 st = states.setdefault(c.index, ChoiceState())
                 if st.finished:
                     continue
-                delta = self._visible_text(c, job.params)[st.text_sent:]
+                delta = self._visible_text(c, job.params, st)[st.text_sent:]
                 logprobs = None
                 if req.logprobs and len(c.token_ids) > st.tokens_sent:
                     logprobs = {"content": self._chat_logprobs(
@@ -451,11 +498,11 @@ class OpenAIServing:
                 if delta or logprobs:
                     st.text_sent += len(delta)
                     yield chunk({"index": c.index, "delta": {"content": delta}, "logprobs": logprobs,
-                                 "finish_reason": None})
+                                 "finish_reason": None}, len(c.token_ids))
                 if c.finish_reason is not None:
                     st.finished = True
                     yield chunk({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
-                                 "stop_reason": c.stop_reason})
+                                 "stop_reason": c.stop_reason}, len(c.token_ids))
         if req.include_usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                        "choices": [], "usage": self._usage(job)})

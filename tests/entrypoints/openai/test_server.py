@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -247,6 +248,7 @@ def test_metrics_exposes_every_documented_series(server, client):
 
 # --------------------------------------------------------------- bad input
 GOOD = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 BAD_INPUTS = [
     # (name, path, raw body or dict, headers override, status, words the message must contain)
     ("malformed json", "/v1/completions", b'{"prompt": "Hi",', None, 400, "not valid JSON"),
@@ -311,6 +313,26 @@ BAD_INPUTS = [
      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, None, 400,
      "a text part needs a 'text' string"),
     ("unknown route", "/v1/nothing", GOOD, None, 404, "no such route"),
+    # Fields OpenAI or vLLM define that would change the output: refused by name.
+    ("beam search", "/v1/completions", {**GOOD, "use_beam_search": True}, None, 400,
+     "'use_beam_search' is not supported"),
+    ("guided json", "/v1/completions", {**GOOD, "guided_json": {"type": "object"}}, None, 400,
+     "'guided_json' is not supported"),
+    ("completion json schema", "/v1/completions", {**GOOD, "response_format": {"type": "json_object"}}, None, 400,
+     "'response_format' is not supported"),
+    ("prompt logprobs", "/v1/completions", {**GOOD, "prompt_logprobs": 1}, None, 400,
+     "'prompt_logprobs' is not supported"),
+    ("chat echo", "/v1/chat/completions", {**CHAT, "echo": True}, None, 400, "'echo' is not supported"),
+    ("chat template kwargs", "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": True}},
+     None, 400, "'chat_template_kwargs' is not supported"),
+    ("per-request chat template", "/v1/chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, None, 400,
+     "'chat_template' is not supported"),
+    ("reasoning effort", "/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, None, 400,
+     "'reasoning_effort' is not supported"),
+    ("truncate_prompt_tokens 0", "/v1/completions", {**GOOD, "truncate_prompt_tokens": 0}, None, 400,
+     "truncate_prompt_tokens"),
+    ("too many stop strings", "/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(65)]}, None, 400,
+     "stop must have at most 64 strings, got 65"),
 ]
 
 
@@ -402,8 +424,9 @@ def test_full_queue_gets_503_then_sigterm_finishes_cleanly(llama_path):
             except httpx.HTTPError:
                 rests.append([])
             ctx.__exit__(None, None, None)
-        # The queued one needed the first's 2000 tokens and then its own: it was cut off, not finished.
-        assert "data: [DONE]" not in rests[1]
+        # The queued one needed the first's 2000 tokens and then its own: aborted at the end of the grace
+        # period, it ends with finish_reason "abort" and [DONE] (test_shutdown.py), not a cut connection.
+        assert rests[1][-2:] == ["data: [DONE]", ""] and '"finish_reason": "abort"' in rests[1][-4]
         http.close()
         assert "engine stopped" in srv.log()
     finally:
@@ -484,3 +507,81 @@ def test_unknown_keys_spelled_like_types_are_still_unknown_fields(server):
     assert r.status_code == 400 and "unknown field 'str'" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={**GOOD, "logit_bias": {"int": "x"}}, headers=server.headers)
     assert r.status_code == 400 and "a valid number" in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------- stream_options, fields that change nothing
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each chunk carries the usage so far."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                            stream_options=opts, extra_body={"ignore_eos": True}))
+    *body, last = chunks
+    assert body and all(ch.choices and ch.usage is not None for ch in body)
+    done = [ch.usage.completion_tokens for ch in body]
+    assert done == sorted(done) and done[-1] == 6 and done[0] >= 1
+    assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in body)
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert last.usage.prompt_tokens == body[0].usage.prompt_tokens > 0
+
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=5, temperature=0, stream=True, stream_options=opts,
+                                               extra_body={"ignore_eos": True}))
+    *body, last = chat
+    assert all(ch.usage is not None for ch in body)
+    assert body[0].choices[0].delta.role == "assistant" and body[0].usage.completion_tokens == 0
+    assert body[-1].choices[0].finish_reason == "length" and body[-1].usage.completion_tokens == 5
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.prompt_tokens == body[0].usage.prompt_tokens == body[0].usage.total_tokens
+
+    # As in vLLM, continuous usage needs include_usage.
+    plain = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, stream=True,
+                                           stream_options={"continuous_usage_stats": True}))
+    assert all(ch.usage is None for ch in plain)
+
+
+def test_fields_that_do_not_change_the_output_are_accepted_and_ignored(server, client):
+    ignored = {"user": "u-1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+               "prompt_cache_key": "k", "safety_identifier": "s", "length_penalty": 1.0}
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=6, temperature=0, stream=True)
+    text = "".join(ch.choices[0].text for ch in client.completions.create(**kw) if ch.choices)
+    same = client.completions.create(**kw, stream_options={"include_usage": True, "include_obfuscation": True},
+                                     extra_body={**ignored, "spaces_between_special_tokens": True,
+                                                 "add_special_tokens": True, "use_beam_search": False})
+    assert "".join(ch.choices[0].text for ch in same if ch.choices) == text
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    again = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, parallel_tool_calls=False, tool_choice="none",
+        extra_body={**ignored, "include_reasoning": True, "echo": False, "add_special_tokens": False,
+                    "chat_template_kwargs": {}, "documents": []})
+    assert again.choices[0].message.content == chat.choices[0].message.content
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers,
+                   json={**GOOD, "stream_options": {"include_usage": True, "frobnicate": 1}, "stream": True})
+    assert r.status_code == 400 and "stream_options.frobnicate" in r.json()["error"]["message"]
+
+
+def test_ignored_fields_are_logged_once_each(caplog):
+    from pagellm.entrypoints.openai import protocol
+
+    protocol._logged_ignored.difference_update({"store", "stream_options.include_obfuscation"})
+    body = '{"prompt": "Hi", "store": true, "stream_options": {"include_obfuscation": false}}'
+    with caplog.at_level(logging.DEBUG, logger="pagellm.server"):
+        for _ in range(3):
+            protocol.CompletionRequest.model_validate_json(body)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum("'store'" in line for line in lines) == 1
+    assert sum("'stream_options.include_obfuscation'" in line for line in lines) == 1
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
+    ids = client.post("/../tokenize", body={"prompt": "one two three four five six seven eight"},
+                      cast_to=object)["tokens"]
+    assert len(ids) > 6
+    cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True})
+    tail = client.completions.create(model=MODEL, prompt=ids[-4:], max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3

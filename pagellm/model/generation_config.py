@@ -1,0 +1,62 @@
+"""A checkpoint's ``generation_config.json`` as the default sampling settings of its requests.
+
+As in vLLM (``--generation-config auto``), the sampling values a model's authors ship become the
+defaults of requests that leave them unset, offline and in the server; ``vllm`` ignores the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json key -> SamplingParams field
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def default_sampling_fields(setting: str, model_folder: Path) -> dict[str, Any]:
+    """The SamplingParams defaults that ``--generation-config setting`` gives for this model.
+
+    ``auto``: the model folder's file; ``vllm``: none; any other value: a folder holding the file.
+    Raises ValueError when the file is not valid JSON or holds values SamplingParams refuses.
+    """
+    if setting == "vllm":
+        return {}
+    folder = model_folder if setting == "auto" else Path(setting).expanduser()
+    if setting != "auto" and not folder.is_dir():
+        raise ValueError(f"--generation-config {setting!r} is not 'auto', 'vllm' or a folder")
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting!r} holds no generation_config.json")
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    fields = {field: config[key] for key, field in SAMPLING_KEYS.items() if config.get(key) is not None}
+    if not fields:
+        return fields
+    from pagellm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**fields)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path} has sampling values pagellm cannot use ({e}); fix the file or start with "
+                         "--generation-config vllm to ignore it") from e
+    logger.info("default sampling parameters from %s: %s (requests that set them override them; "
+                "--generation-config vllm ignores the file)", path,
+                ", ".join(f"{k}={v}" for k, v in fields.items()))
+    return fields
