@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install install-peers test test-peers check-plain-install serve generate clean
+.PHONY: install install-peers test test-peers lint check-plain-install serve generate clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ install-peers: $(VENV)/.peers-installed
 # not turn pagellm's own suite red.
 test: install
 	$(PY) -m pytest tests -m "not peers"
+
+lint: install
+	$(VENV)/bin/ruff check pagellm tests benchmarks
+	$(VENV)/bin/mypy pagellm
 
 test-peers: install-peers
 	$(PY) -m pytest tests -m peers

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.step_log import StepLog
 from pagellm.bench.workloads import MODEL_PRESETS, bench_model_path, random_workload
 from pagellm.kernels import native
 
@@ -86,16 +87,16 @@ def main() -> None:
             for i, (prompt, sp) in enumerate(zip(w.prompts, params)):
                 engine.add_request(f"ab{repeat}-{i}", {"prompt_token_ids": prompt}, sp)
             step, pending = 0, {}
-            engine.step_log = []
+            log = StepLog.install(engine)
             while engine.has_unfinished_requests():
                 name = names[(step + step // 2) % 2]  # A B B A A B B A ...
                 use(libs[name])
-                logged = len(engine.step_log)
+                logged = len(log.records)
                 engine.step()
                 step += 1
-                if len(engine.step_log) == logged:
+                if len(log.records) == logged:
                     continue  # nothing ran
-                record = engine.step_log[-1]  # the model's time in the step, without the engine's
+                record = log.records[-1]  # the model's time in the step, without the engine's
                 kind, took = ("prompt" if record.num_prefill_tokens else "decode"), record.seconds
                 size = record.num_prefill_tokens + record.num_decode_seqs
                 # Paired with the last unpaired step of its kind if that ran on the other build and
@@ -110,7 +111,8 @@ def main() -> None:
             print(f"run {repeat + 1} of {args.repeats}: {counts} so far", flush=True)
     finally:
         native.load = load
-        engine.step_log = None
+        for observer in list(engine.step_observers):
+            engine.step_observers.remove(observer)
     for kind, d in diffs.items():
         if d:
             print(f"{kind} steps, {len(d)} pairs: the working tree's {statistics.median(d) * 100:+.1f}% shorter than "

@@ -16,6 +16,7 @@ import time
 
 import pagellm.worker.model_runner as model_runner
 from pagellm import LLM, SamplingParams
+from pagellm.bench.step_log import StepLog
 from pagellm.bench.workloads import MODEL_PRESETS, bench_model_path, random_workload
 
 
@@ -40,11 +41,12 @@ def main() -> None:
                 model_runner.choose_output_rows = choose
                 llm.reset_prefix_cache()
                 engine = llm.llm_engine
-                engine.step_log = []
+                log = StepLog.install(engine)
                 t0 = time.perf_counter()
                 outputs[name] = llm.generate(w.prompts, params, use_tqdm=False)
                 totals[name].append(time.perf_counter() - t0)
-                prefills[name].append(sum(s.seconds for s in engine.step_log if s.num_prefill_tokens))
+                prefills[name].append(sum(s.seconds for s in log.records if s.num_prefill_tokens))
+                log.uninstall()
                 print(f"last layer on {name}: {totals[name][-1]:.3f} s ({w.output_tokens / totals[name][-1]:.1f} "
                       f"output tok/s), prefill steps {prefills[name][-1]:.3f} s", flush=True)
     finally:

@@ -26,7 +26,10 @@ _EXPORTS = {
     "RequestMetrics": "pagellm.outputs",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "SamplingParams",
+    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "__version__",
+]
 
 if TYPE_CHECKING:
     from pagellm.config import EngineArgs

@@ -60,6 +60,17 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
+def check_slo(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is None or a positive, finite number of seconds (a latency target)."""
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                              or not 0 < value < math.inf):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+
+
+# A step's token budget when --max-num-batched-tokens is not given (with chunked prefill).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
     return {"help": help, "aliases": aliases, **kw}
 
@@ -151,14 +162,12 @@ class EngineArgs:
             positive(name)
         positive("max_num_seqs", allow_none=False)
         for name in ("default_ttft_slo", "default_tpot_slo"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < math.inf):
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive, finite number of seconds, "
-                                 f"got {v!r}")
+            check_slo(f"{name} (--{name.replace('_', '-')})", getattr(self, name))
         if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
                 or not 0 <= self.swap_space < math.inf):
             raise ValueError(f"swap_space (--swap-space) must be a finite number of GiB >= 0, got {self.swap_space!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+        if (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         for f in dataclasses.fields(self):
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
@@ -166,7 +175,8 @@ class EngineArgs:
                                  f"got {getattr(self, f.name)!r}")
         if self.scheduling_policy not in ("fcfs", "priority", "sla"):
             raise ValueError(
-                f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, got {self.scheduling_policy!r}")
+                f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, "
+                f"got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode (--preemption-mode) must be auto, swap or recompute, got {self.preemption_mode!r}")
@@ -227,6 +237,27 @@ class EngineArgs:
                                   or not all(isinstance(n, str) and n for n in names)):
             raise ValueError("served_model_name (--served-model-name) must be a non-empty string or a list of them, "
                              f"got {self.served_model_name!r}")
+
+    def step_token_budget(self, max_model_len: int) -> int:
+        """The token budget of one engine step once ``max_model_len`` is known; ValueError naming the
+        flags when it could starve the running sequences or never fit a prompt."""
+        chunked = self.enable_chunked_prefill
+        budget = self.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        )
+        if budget < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_num_seqs ({self.max_num_seqs}): the running "
+                "sequences' decodes alone could take a step's whole budget and starve every prompt; raise "
+                "--max-num-batched-tokens or lower --max-num-seqs (vLLM has the same rule)"
+            )
+        if not chunked and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): without "
+                "chunked prefill a long prompt could never be scheduled; raise --max-num-batched-tokens, lower "
+                "--max-model-len or turn on --enable-chunked-prefill"
+            )
+        return budget
 
     @property
     def served_model_names(self) -> Optional[list[str]]:

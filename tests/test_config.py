@@ -9,7 +9,8 @@ from pagellm.config import EngineArgs, parse_memory
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1e9", 10**9), (4096, 4096), ("8 kib", 8192)],
+    [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1e9", 10**9), (4096, 4096),
+     ("8 kib", 8192)],
 )
 def test_parse_memory(text, expected):
     assert parse_memory(text) == expected

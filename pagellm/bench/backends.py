@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from pagellm.bench.report import progress
+from pagellm.bench.step_log import StepLog, StepRecord
 from pagellm.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class BackendResult:
     output_tokens: int
     detail: dict[str, Any] = field(default_factory=dict)
     skipped: Optional[str] = None  # why the backend did not run
+    steps: list[StepRecord] = field(default_factory=list, repr=False)  # pagellm's steps (StepLog)
 
     @property
     def requests_per_s(self) -> float:
@@ -62,22 +64,27 @@ def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict
                              ignore_eos=True) for i, o in enumerate(workload.output_lens)]
     llm.generate(workload.prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
-    llm.llm_engine.step_log = []
+    log = StepLog.install(llm.llm_engine)
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=lambda **kw: progress(label, kw["total"]))
     elapsed = time.perf_counter() - t0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == workload.output_tokens, f"pagellm produced {got} tokens, expected {workload.output_tokens}"
-    ttfts = [o.metrics.time_to_first_token for o in outs]
+    ttfts: list[float] = []
+    for o in outs:  # every request finished with tokens (ignore_eos): each has its first-token time
+        assert o.metrics is not None and o.metrics.time_to_first_token is not None
+        ttfts.append(o.metrics.time_to_first_token)
     stats = llm.kv_cache_stats()
     detail = {
         "ttft_mean_s": sum(ttfts) / len(ttfts),
-        "steps": len(llm.llm_engine.step_log),
+        "steps": len(log.records),
         "preemptions": llm.llm_engine.scheduler.stats.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "peak_kv_blocks": stats.peak_in_use_blocks,
     }
-    return BackendResult("pagellm", elapsed, workload.num_requests, workload.prompt_tokens, got, detail), llm
+    log.uninstall()
+    return BackendResult("pagellm", elapsed, workload.num_requests, workload.prompt_tokens, got, detail,
+                         steps=log.records), llm
 
 
 def _hf_model(model: Path, dtype: str) -> Any:

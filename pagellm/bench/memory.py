@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     cost = model_cost(llm)
     per_token = cost.kv_bytes_per_token
     block_bytes = per_token * engine.block_size
-    log = engine.step_log or []
+    log = res.steps
     peak = max(log, key=lambda s: s.kv_blocks_in_use)  # the first step at the high: its stats were taken
     if peak.kv_fragmentation is None or peak.kv_sequences is None:
         raise RuntimeError("the step log has no KV statistics at its peak (internal error)")

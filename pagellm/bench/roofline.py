@@ -94,11 +94,11 @@ def model_cost(llm: Any) -> ModelCost:
     )
 
 
-def decode_efficiency(llm: Any, limits: MachineLimits) -> dict[str, Any]:
-    """Roofline vs measured time over the run's pure-decode steps (no prefill tokens)."""
+def decode_efficiency(llm: Any, steps: list[Any], limits: MachineLimits) -> dict[str, Any]:
+    """Roofline vs measured time over the run's pure-decode steps (``StepRecord``s with no prefill tokens)."""
     cost = model_cost(llm)
     rate = limits.matmul_tflops_bf16 if llm.llm_engine.dtype == torch.bfloat16 else limits.matmul_tflops_fp32
-    steps = [s for s in (llm.llm_engine.step_log or []) if s.num_prefill_tokens == 0 and s.num_decode_seqs]
+    steps = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode_seqs]
     measured = roofline = 0.0
     batch_sizes = []
     for s in steps:

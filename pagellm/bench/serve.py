@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import httpx
 
@@ -183,7 +183,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server", action="append", choices=list(SERVERS), default=None,
                    help="server to launch on the model; repeatable, each gets the same requests "
                         "(default: pagellm; transformers = `transformers serve --continuous-batching`)")
-    p.add_argument("--base-url", default=None, help="load an already running server instead of launching one (default: launch --server)")
+    p.add_argument("--base-url", default=None,
+                   help="load an already running server instead of launching one (default: launch --server)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name the server expects (default: the one its /v1/models lists)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' to a --base-url server")
@@ -191,7 +192,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests/s (Poisson); several values run one after the other; inf: all at once")
     p.add_argument("--max-concurrency", type=_at_least_one, default=None,
                    help="most requests in flight at once (default: no limit)")
-    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 (default: none, goodput = throughput)")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (default: none, goodput = throughput)")
     p.add_argument("--no-ignore-eos", action="store_true", help="for servers without vLLM's ignore_eos extension")
     p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature of every request (default 0: greedy, as vllm bench serve)")
@@ -273,7 +275,7 @@ def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     sampling: dict[str, Any] = {"temperature": args.temperature, **({"ignore_eos": True} if ignore_eos else {})}
     # One short request first, unmeasured: servers that warm up on their first request (transformers'
-    # continuous batching does, for ~15 s) would otherwise charge it to the first rate.
+    # continuous batching does, for seconds) would otherwise charge it to the first rate.
     warm, warm_prompt = warm_up
     (trace,), _ = asyncio.run(run_load(base_url, served, warm, [warm_prompt], float("inf"), None, headers,
                                        sampling, args.seed))
@@ -366,15 +368,17 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     # Each rate gets its own requests (seed, seed + 1, ...), the same for every server: repeating the
     # previous rate's prompts would let a prefix cache answer them from memory.
-    loads = []
+    # (decode of one sequence of ids returns one str; transformers annotates str | list[str])
+    loads: list[tuple[float, Workload, list[str]]] = []
     for k, rate in enumerate(args.request_rate):
         w = build_workload(args, vocab, seed=args.seed + k)
-        loads.append((rate, w, [tokenizer.decode(p) for p in w.prompts]))
+        loads.append((rate, w, [cast(str, tokenizer.decode(p)) for p in w.prompts]))
     workload = loads[0][1]
     # The warm-up prompt is the first prompt's last tokens reversed: it shares no prefix with the
     # workload, so a prefix cache gains nothing from it.
     warm_ids = workload.prompts[0][::-1][:16]
-    warm_up = (Workload("warm-up", [warm_ids], [min(4, workload.output_lens[0])]), tokenizer.decode(warm_ids))
+    warm_up = (Workload("warm-up", [warm_ids], [min(4, workload.output_lens[0])]),
+               cast(str, tokenizer.decode(warm_ids)))
     all_results: dict[str, dict[str, Any]] = {}
     if args.base_url is not None:
         label = args.label or "external"

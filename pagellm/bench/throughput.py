@@ -61,12 +61,9 @@ def check_common_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-len must be >= 1 for the shared-prefix workload, got {args.prefix_len}")
     if args.workload == "parallel" and args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
-    # The engine's own checks of the engine flags, now rather than after the machine is measured
-    # (and the engine's budget rule, which it checks only once it knows max_model_len).
-    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < args.max_num_seqs:
-        raise ValueError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
-                         f"({args.max_num_seqs})")
-    EngineArgs(**engine_kwargs(args))
+    # The engine's own checks of the engine flags (its step budget too, for this workload's longest
+    # request), now rather than after the machine is measured.
+    EngineArgs(**engine_kwargs(args)).step_token_budget(longest_request(args))
     if args.model:
         check_model_folder(args.model)
 
@@ -166,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
             # Measured again right after the run: the limits are the best of both measurements.
             limits = limits.best(measure_machine())
-            roofline = decode_efficiency(llm, limits)
+            roofline = decode_efficiency(llm, res.steps, limits)
             if workload.name == "shared-prefix":
                 off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False),
                                         label="pagellm-no-prefix-cache")
@@ -200,13 +197,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:26}{r.requests_per_s:>9.2f}{r.output_tokens_per_s:>12.1f}{r.total_tokens_per_s:>13.1f}"
               f"{(f'{x:.2f}x' if x else '-'):>11}")
     if roofline:
-        print(f"\ndecode: {roofline['decode_steps']} pure-decode steps, mean batch {roofline['mean_decode_batch']:.1f}; "
+        print(f"\ndecode: {roofline['decode_steps']} pure-decode steps, "
+              f"mean batch {roofline['mean_decode_batch']:.1f}; "
               f"roofline {roofline['decode_roofline_s']:.2f} s vs measured {roofline['decode_measured_s']:.2f} s: "
               f"efficiency {roofline['decode_efficiency']:.0%} (limits: best of two measurements, bf16 matmul "
               f"{limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, copy {limits.copy_bandwidth_gbs:.1f} GB/s)")
     if extra:
         print(f"shared prefix: TTFT {extra['ttft_mean_s_no_prefix_cache']:.3f} s without the prefix cache, "
-              f"{extra['ttft_mean_s_prefix_cache']:.3f} s with it ({extra['ttft_speedup_from_prefix_cache']:.1f}x lower)")
+              f"{extra['ttft_mean_s_prefix_cache']:.3f} s with it "
+              f"({extra['ttft_speedup_from_prefix_cache']:.1f}x lower)")
     stem = f"throughput-{workload.name}-{model_name}"
     payload = {
         "command": "throughput", "model": model_name, "dtype": args.dtype,

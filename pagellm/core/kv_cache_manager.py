@@ -59,8 +59,6 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
     ) -> None:
-        if not 1 <= block_size <= 256:
-            raise ValueError(f"block_size must be in [1, 256], got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -237,7 +235,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, seq: Sequence) -> bool:
-        table = self.block_tables.get(seq.seq_id)
+        table = self.block_tables.get(seq.seq_id) or []
         return self.cpu_pool is not None and bool(table) and self.cpu_pool.num_free_blocks >= len(table)
 
     def swap_out(self, seq: Sequence) -> int:
@@ -278,6 +276,18 @@ class KVCacheManager:
             self.pool.touch(block)
             self.pinned.append(block)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+
+    def pin_prompt(self, seq: Sequence) -> int:
+        """Pin the cached full blocks of ``seq``'s prompt, from its first block up to the first one not
+        cached; returns how many."""
+        blocks = []
+        for i in range(seq.num_prompt_tokens // self.block_size):
+            block = self.pool.lookup(*self.block_key(seq, i))
+            if block is None:
+                break
+            blocks.append(block)
+        self.pin(blocks)
+        return len(blocks)
 
     def unpin_all(self) -> int:
         n = len(self.pinned)
@@ -324,7 +334,7 @@ class KVCacheManager:
         )
 
     def assert_consistent(self) -> None:
-        """Check the invariants of ARCHITECTURE.md; raises AssertionError on a violation."""
+        """Check the invariants of docs/architecture.md; raises AssertionError on a violation."""
         self.pool.assert_consistent()
         holders: Counter[int] = Counter()
         for table in self.block_tables.values():

@@ -127,17 +127,15 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache: KVCacheManager,
+        kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.policy: SchedulingPolicy = make_policy(config.scheduling_policy, config.default_ttft_slo)
-        if config.preemption_mode not in ("swap", "recompute", "auto"):
-            raise ValueError(f"preemption_mode must be swap, recompute or auto, got {config.preemption_mode!r}")
         # Waiting and swapped queues, kept sorted by the policy's key (most urgent first).
         self.waiting: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -190,7 +188,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-            while not self.kv_cache.allocate_slots(seq, num_new):
+            while not self.kv_cache_manager.allocate_slots(seq, num_new):
                 # The least urgent running sequence (seq itself included) makes room, even one already
                 # scheduled this step: its entry is withdrawn and its budget returned (as in vLLM).
                 victim = max(self.running, key=self.policy.key)
@@ -218,8 +216,8 @@ class Scheduler:
                 budget = self._admit_waiting(out, budget, chunk_cap)
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
-        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache.take_pending_swaps()
-        out.blocks_to_copy = self.kv_cache.take_pending_copies()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache_manager.take_pending_swaps()
+        out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         self.stats.num_steps += 1
         return out
 
@@ -258,19 +256,19 @@ class Scheduler:
             seats = self._seats(seq)
             if taken + seats > cfg.max_num_seqs:
                 break
-            hits = self.kv_cache.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
-            hit_tokens = len(hits) * self.kv_cache.block_size
+            hits = self.kv_cache_manager.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
+            hit_tokens = len(hits) * self.kv_cache_manager.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget, chunk_cap)
-            if not self.kv_cache.allocate_slots(seq, num_new, hits):
+            if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
                 break
             self.waiting.pop(0)
             if not seq.was_admitted:
                 seq.was_admitted = True
                 seq.num_cached_tokens = hit_tokens
-                self.kv_cache.count_prefix_query(seq, hit_tokens)
+                self.kv_cache_manager.count_prefix_query(seq, hit_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             taken += seats
@@ -285,14 +283,14 @@ class Scheduler:
         head = self.waiting[0]
         key = self.policy.key
         seats = self._seats(head)
-        hits = self.kv_cache.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
-        num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache.block_size,
+        hits = self.kv_cache_manager.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
+        num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache_manager.block_size,
                       budget, chunk_cap)
-        needed = self.kv_cache.num_blocks_to_admit(head, num_new, hits)
+        needed = self.kv_cache_manager.num_blocks_to_admit(head, num_new, hits)
 
         def fits() -> bool:
             return (self._seats_taken() + seats <= self.config.max_num_seqs
-                    and needed + self._decode_reserve() <= self.kv_cache.num_free_blocks)
+                    and needed + self._decode_reserve() <= self.kv_cache_manager.num_free_blocks)
 
         while not fits() and self.running:
             victim = max(self.running, key=key)
@@ -303,7 +301,7 @@ class Scheduler:
 
     def _decode_reserve(self) -> int:
         """Blocks the running sequences may need this step (one each at a block boundary)."""
-        bs = self.kv_cache.block_size
+        bs = self.kv_cache_manager.block_size
         return sum(1 for s in self.running if s.num_computed_tokens % bs == 0)
 
     def _swap_in_next(self) -> None:
@@ -311,7 +309,7 @@ class Scheduler:
         seq = self.swapped[0]
         if self._seats_taken() + self._seats(seq) > self.config.max_num_seqs:
             return
-        if not self.kv_cache.swap_in(seq, reserve=self._decode_reserve()):
+        if not self.kv_cache_manager.swap_in(seq, reserve=self._decode_reserve()):
             return
         self.swapped.pop(0)
         seq.status = SequenceStatus.RUNNING
@@ -343,7 +341,7 @@ class Scheduler:
             seq=seq,
             start=start,
             num_new_tokens=num_new,
-            block_table=self.kv_cache.block_table(seq),
+            block_table=self.kv_cache_manager.block_table(seq),
             sample=sample,
             prompt_logprobs_range=lp_range,
             fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
@@ -351,11 +349,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap ``seq`` out to the CPU pool, or free its blocks for a later recompute."""
-        usage_before = self.kv_cache.usage
+        usage_before = self.kv_cache_manager.usage
         mode = self.config.preemption_mode
-        swap = mode != "recompute" and self.kv_cache.can_swap_out(seq)
+        swap = mode != "recompute" and self.kv_cache_manager.can_swap_out(seq)
         if swap:
-            moved = self.kv_cache.swap_out(seq)
+            moved = self.kv_cache_manager.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             self._enqueue(self.swapped, seq)
             self.stats.num_swap_outs += 1
@@ -363,7 +361,7 @@ class Scheduler:
         else:
             if mode == "swap":
                 logger.warning("swap pool full: preempting seq %d by recompute instead", seq.seq_id)
-            freed = self.kv_cache.free(seq)
+            freed = self.kv_cache_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self._enqueue(self.waiting, seq)
@@ -374,7 +372,7 @@ class Scheduler:
         out.preempted.append(seq)
         logger.info(
             "preempt request_id=%s seq_id=%d %s kv_usage_before=%.3f kv_usage_after=%.3f",
-            seq.request.request_id, seq.seq_id, detail, usage_before, self.kv_cache.usage,
+            seq.request.request_id, seq.seq_id, detail, usage_before, self.kv_cache_manager.usage,
         )
 
     # ----------------------------------------------------------------- update
@@ -390,7 +388,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_full_blocks(seq)
+            self.kv_cache_manager.cache_full_blocks(seq)
             plps = result.prompt_logprobs.get(seq.seq_id)
             if plps:
                 if not seq.request.prompt_logprobs:
@@ -420,7 +418,7 @@ class Scheduler:
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         request = parent.request
         request.pending_children.remove(child)
-        self.kv_cache.fork(parent, child)
+        self.kv_cache_manager.fork(parent, child)
         child.was_admitted = True
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
@@ -429,7 +427,7 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
         if seq.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
                 return
@@ -455,7 +453,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
-        self.kv_cache.free(seq)
+        self.kv_cache_manager.free(seq)
         self._finished_seq_ids.append(seq.seq_id)
         request = seq.request
         if request.is_finished and request.metrics.finished_time is None:

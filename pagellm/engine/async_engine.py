@@ -246,7 +246,7 @@ class AsyncLLMEngine:
         if stream is not None:
             # The engine's own output builder: the request's text so far, its samples now "abort"
             # (or, had it finished meanwhile, its real ending).
-            stream.put(self.engine._make_output(request if request is not None else stream.request))
+            stream.put(self.engine.make_output(request if request is not None else stream.request))
         if request is not None:
             for cb in self.abort_callbacks:
                 self._call(cb, request)
@@ -315,9 +315,9 @@ class AsyncLLMEngine:
         runner = self.engine.model_runner
         execute = runner.execute
 
-        def execute_with_faults(sched: Any) -> Any:
-            self.faults.check("step", (it.seq.request.prompt for it in sched.scheduled))
-            return execute(sched)
+        def execute_with_faults(scheduler_output: Any) -> Any:
+            self.faults.check("step", (it.seq.request.prompt for it in scheduler_output.scheduled))
+            return execute(scheduler_output)
 
         runner.execute = execute_with_faults  # type: ignore[method-assign]
 

@@ -50,7 +50,8 @@ class EngineMetrics:
                          "Share of finished requests with latency targets that met them (sla policy)")
         self.pc_queries = counter("pagellm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.pc_hits = counter("pagellm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.prompt_tokens = counter("pagellm_prompt_tokens", "Prompt tokens, counted when a request's prefill completes")
+        self.prompt_tokens = counter("pagellm_prompt_tokens",
+                                     "Prompt tokens, counted when a request's prefill completes")
         self.generation_tokens = counter("pagellm_generation_tokens", "Generated tokens (every sample's)")
         self.success = counter("pagellm_request_success", "Finished requests, one per returned sample (n > 1)",
                                ("finished_reason",))

@@ -83,12 +83,15 @@ EXAMPLE_PROMPTS = ["The capital of France is", "Paged attention saves memory bec
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagellm.entrypoints.llm import LLM
     from pagellm.sampling_params import SamplingParams
 
     prompts = args.prompts or EXAMPLE_PROMPTS
     fields = {k[3:]: v for k, v in vars(args).items() if k.startswith("sp_") and v is not None}
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    SamplingParams(**fields)  # bad flags are refused before torch and the model load
+    engine_args = EngineArgs.from_cli_args(args)
+    from pagellm.entrypoints.llm import LLM
+
+    llm = LLM(**vars(engine_args))
     # Unset fields take the model's generation_config.json defaults, as a server request's do.
     params = SamplingParams(**{**llm.llm_engine.default_sampling_fields, **fields})
     if args.chat:

@@ -6,7 +6,7 @@ import itertools
 import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from tqdm.auto import tqdm
 
@@ -111,7 +111,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast("list[list[Message]]",
+                             [messages] if messages and isinstance(messages[0], dict) else messages)
         prompts: list[PromptType] = []
         for conv in conversations:
             ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt)

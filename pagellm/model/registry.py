@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from pagellm.model.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
 }
 
 
-def model_class_for(architectures: list[str] | None) -> type[nn.Module]:
+def model_class_for(architectures: list[str] | None) -> type[LlamaForCausalLM]:
     """The class that implements the first supported name; ValueError listing the supported ones."""
     for arch in architectures or []:
         if arch in MODEL_REGISTRY:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import cast
 import torch
 
 from pagellm.core.scheduler import SampleResult, TokenLogprobs
@@ -63,12 +64,13 @@ class Sampler:
         if any(greedy):
             top = fast[0] if fast is not None and logits is raw else logits.argmax(dim=-1)
             chosen = top if chosen is None else torch.where(torch.tensor(greedy, device=logits.device), top, chosen)
+        assert chosen is not None  # seqs is never empty: every row is greedy or sampled
         tokens = chosen.tolist()
         if not any(scored):
             return [SampleResult(t, None) for t in tokens]
         # The chosen tokens' logprobs, of the unprocessed distribution.
         if fast is not None:
-            lse = fast[1]
+            lse = cast(torch.Tensor, fast[1])  # computed: with_lse=any(scored), True here
             chosen_lp = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse).tolist()
         else:
             # log_softmax + gather: faster on CPU than torch.logsumexp, which makes several passes.
@@ -98,7 +100,8 @@ class Sampler:
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if 0 <= t < vocab])
                 logits[row, ids.to(logits.device)] += vals.to(logits.device)
             if seq.num_output_tokens < p.min_tokens:
-                banned = [t for t in (*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)) if t < vocab]
+                stoppers = (*(p.stop_token_ids or ()), *([] if p.ignore_eos else self.eos_token_ids))
+                banned = [t for t in stoppers if t < vocab]
                 # Banning every token would leave nothing to sample (an id outside the vocabulary):
                 # the engine refuses such requests; one that slips through is not banned at all
                 # rather than fail everyone's step.
@@ -144,9 +147,9 @@ class Sampler:
             logits = _top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(-1)
         # Inverse CDF: one uniform draw per row, the first token whose cumulative probability exceeds
-        # it. (The exponential race, argmax(p / q) with q ~ Exp(1), needs a draw per vocabulary entry:
-        # 24 ms for 40 x 32,000 on this CPU, as long as the rest of a decode step.) Seeded sequences
-        # draw from their own generator, so their tokens never depend on batch companions.
+        # it. (The exponential race, argmax(p / q) with q ~ Exp(1), needs a draw per vocabulary entry,
+        # which costs as much as the rest of a decode step.) Seeded sequences draw from their own
+        # generator, so their tokens never depend on batch companions.
         u = torch.empty(len(seqs), dtype=torch.float64, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
         if unseeded:

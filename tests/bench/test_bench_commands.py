@@ -17,13 +17,20 @@ TINY = ["--model-preset", "tiny-llama", "--dtype", "float32", "--num-prompts", "
         "--output-len", "4", "12", "--kv-cache-memory", "64MiB"]
 
 
-def test_bench_throughput_writes_json_markdown_and_plot(tmp_path, capsys):
+def test_bench_throughput_writes_json_markdown_and_plot(tmp_path, capfd):
     rc = main(["bench", "throughput", *TINY, "--backend", "pagellm", "--backend", "hf", "--backend", "hf-batched",
                "--hf-batch-sizes", "2", "4", "--output-dir", str(tmp_path)])
     assert rc == 0
-    out = capsys.readouterr().out
+    captured = capfd.readouterr()
+    out = captured.out
     assert "pagellm" in out and "hf-batched" in out and "efficiency" in out
     data = json.loads((tmp_path / "throughput-random-tiny-llama.json").read_text())
+    # Each backend: its own progress bar, and a line whose seconds are the JSON's elapsed_s.
+    for backend, total in (("pagellm", 4), ("hf", 4), ("hf-batched", 8)):
+        assert re.search(rf"{backend}: 100%.*\| {total}/{total}", captured.err), captured.err
+        elapsed = data["results"][backend]["elapsed_s"]
+        measured = "the best batch size's run" if backend == "hf-batched" else "the workload"
+        assert f"  {backend}: {elapsed:.2f} s for {measured} (elapsed_s)" in out
     assert set(data["results"]) == {"pagellm", "hf", "hf-batched"}
     for r in data["results"].values():
         assert r["output_tokens"] == data["workload"]["output_tokens"] and r["output_tokens_per_s"] > 0
@@ -121,11 +128,13 @@ def test_goodput_parsing():
     ("serve", ["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
     ("throughput", ["--seed", str(2**64)], "--seed must be an integer in"),
     ("throughput", ["--workload", "shared-prefix", "--prefix-len", "-5"], "--prefix-len must be >= 1"),
-    ("throughput", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens (0) must be at least --max-num-seqs"),
+    ("throughput", ["--max-num-batched-tokens", "0"], "(--max-num-batched-tokens) must be a positive integer"),
+    ("throughput", ["--max-num-batched-tokens", "8"], "max_num_batched_tokens (8) is smaller than max_num_seqs (256)"),
     ("throughput", ["--hf-batch-sizes", "-1"], "--hf-batch-sizes must all be >= 1"),
     ("throughput", ["--backend", "pagellm", "--backend", "pagellm"], "--backend given twice"),
-    ("throughput", ["--prompt-len", "3000", "5000"], "the longest request is 5012 tokens (--prompt-len MAX + "
-                                                     "--output-len MAX), more than tiny-llama's max_position_embeddings"),
+    ("throughput", ["--prompt-len", "3000", "5000"],
+     "the longest request is 5012 tokens (--prompt-len MAX + --output-len MAX), "
+     "more than tiny-llama's max_position_embeddings"),
     ("throughput", ["--model", "/nonexistent/model"], "does not exist"),
     ("memory", ["--max-model-len", "0"], "--max-model-len 0 is shorter than the workload's longest request"),
     ("memory", ["--max-model-len", "100000000"], "more than tiny-llama's max_position_embeddings"),
@@ -201,17 +210,6 @@ def test_a_launched_pagellm_server_gets_the_engine_flags():
     cmd = _pagellm_command("/m", 9000, args)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "512"
     assert cmd[cmd.index("--block-size") + 1] == "16" and cmd[cmd.index("--kv-cache-memory") + 1] == "2GiB"
-
-
-def test_each_backend_shows_progress_and_says_what_its_seconds_cover(tmp_path, capfd):
-    rc = main(["bench", "throughput", *TINY, "--backend", "pagellm", "--backend", "hf", "--output-dir", str(tmp_path)])
-    assert rc == 0
-    captured = capfd.readouterr()
-    data = json.loads((tmp_path / "throughput-random-tiny-llama.json").read_text())
-    for backend in ("pagellm", "hf"):
-        elapsed = data["results"][backend]["elapsed_s"]
-        assert f"  {backend}: {elapsed:.2f} s for the workload (elapsed_s)" in captured.out
-        assert re.search(rf"{backend}: 100%.*\| 4/4", captured.err), captured.err  # its own progress bar
 
 
 def test_without_matplotlib_the_results_are_written_and_the_plots_skipped(tmp_path):

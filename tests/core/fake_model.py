@@ -29,7 +29,7 @@ def fake_step(sched: Scheduler, tick: float = 0.0) -> SchedulerOutput:
             for seq in (item.seq, *item.fork_children):
                 res.samples[seq.seq_id] = SampleResult(token_id=fake_token(seq.num_tokens), logprob=-1.0)
     sched.update(out, res)
-    sched.kv_cache.assert_consistent()
+    sched.kv_cache_manager.assert_consistent()
     if tick:
         sched.clock.t += tick  # type: ignore[attr-defined]
     return out

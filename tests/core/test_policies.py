@@ -7,24 +7,23 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import Scheduler, SchedulerConfig
+from pagellm.core.scheduler import Scheduler
 from pagellm.core.sequence import Request, SequenceStatus
-from pagellm.sampling_params import SamplingParams
-from tests.core.fake_model import FakeClock, fake_step, run_to_end
+from tests.core.fake_model import fake_step, run_to_end
+from tests.core.utils import create_request, create_scheduler
 
 _ids = itertools.count()
 
 
 def make(policy="fcfs", num_blocks=200, block_size=4, budget=64, max_seqs=8, max_len=128, cpu_blocks=0,
          mode="auto", **cfg):
-    config = SchedulerConfig(budget, max_seqs, max_len, scheduling_policy=policy, preemption_mode=mode, **cfg)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, num_cpu_blocks=cpu_blocks), clock=FakeClock())
+    return create_scheduler(num_blocks, block_size, budget, max_seqs, max_len, num_cpu_blocks=cpu_blocks,
+                            eos_token_ids=(), scheduling_policy=policy, preemption_mode=mode, **cfg)
 
 
 def req(prompt_len, max_tokens, arrival=0.0, priority=0, ttft_slo=None, tpot_slo=None):
-    return Request(f"r{next(_ids)}", None, [5] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=arrival, priority=priority, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+    return create_request(prompt_len, max_tokens, arrival_time=arrival, priority=priority, ttft_slo=ttft_slo,
+                          tpot_slo=tpot_slo)
 
 
 def step(sched: Scheduler):
@@ -45,7 +44,7 @@ def test_priority_request_preempts_less_urgent_work_and_gets_a_token_fast():
             sched.add_request(req(8, 8, priority=10))
         for _ in range(3):
             step(sched)
-        assert len(sched.running) == 4 and sched.kv_cache.num_free_blocks == 0
+        assert len(sched.running) == 4 and sched.kv_cache_manager.num_free_blocks == 0
         urgent = req(8, 4, arrival=sched.clock.t, priority=0)
         sched.add_request(urgent)
         n = 0
@@ -55,7 +54,7 @@ def test_priority_request_preempts_less_urgent_work_and_gets_a_token_fast():
         steps_to_first_token[policy] = n
         run(sched)
         assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in urgent.seqs)
-        assert sched.kv_cache.num_free_blocks == 12
+        assert sched.kv_cache_manager.num_free_blocks == 12
     assert steps_to_first_token["priority"] == 1  # in the very next step
     assert steps_to_first_token["fcfs"] > 5  # waits for a running request to finish
 
@@ -106,7 +105,7 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
             assert swapped_at.status is SequenceStatus.SWAPPED
             computed = swapped_at.num_computed_tokens
             assert computed > 0  # swapping keeps the computed tokens
-            assert len(sched.kv_cache.cpu_tables[swapped_at.seq_id]) == -(-computed // 4)
+            assert len(sched.kv_cache_manager.cpu_tables[swapped_at.seq_id]) == -(-computed // 4)
         if out.blocks_to_swap_in:
             # Issued a step ahead: the sequence is running again but not computed in this step.
             (seq,) = [s for s in sched.running if s is swapped_at]
@@ -117,7 +116,7 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
     assert swapped_at is not None and sched.stats.num_swap_outs >= 1 and sched.stats.num_recomputes == 0
     run(sched)
     assert a.seqs[0].output_token_ids == b.seqs[0].output_token_ids  # same prompt, same fake model
-    assert sched.kv_cache.num_free_blocks == 8 and sched.kv_cache.cpu_pool.num_free_blocks == 16
+    assert sched.kv_cache_manager.num_free_blocks == 8 and sched.kv_cache_manager.cpu_pool.num_free_blocks == 16
 
 
 def test_auto_mode_recomputes_when_the_swap_pool_is_full():
@@ -137,10 +136,10 @@ def test_abort_a_swapped_request_returns_its_cpu_blocks():
         step(sched)
     victim = sched.swapped[0].request
     sched.abort_request(victim)
-    sched.kv_cache.assert_consistent()
-    assert not sched.swapped and sched.kv_cache.cpu_pool.num_free_blocks == 16
+    sched.kv_cache_manager.assert_consistent()
+    assert not sched.swapped and sched.kv_cache_manager.cpu_pool.num_free_blocks == 16
     run(sched)
-    assert sched.kv_cache.num_free_blocks == 8
+    assert sched.kv_cache_manager.num_free_blocks == 8
 
 
 def test_chunked_prefill_keeps_every_running_request_decoding():
@@ -198,6 +197,6 @@ def test_random_arrivals_all_finish_or_are_refused_in_bounded_steps(arrivals, po
     else:
         raise AssertionError(f"not done within {bound} steps")
     assert all(r.is_finished for r in live)
-    assert sched.kv_cache.num_free_blocks == num_blocks
-    assert sched.kv_cache.cpu_pool.num_free_blocks == num_blocks // 2
-    assert not sched.kv_cache.block_tables and not sched.kv_cache.cpu_tables
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks
+    assert sched.kv_cache_manager.cpu_pool.num_free_blocks == num_blocks // 2
+    assert not sched.kv_cache_manager.block_tables and not sched.kv_cache_manager.cpu_tables

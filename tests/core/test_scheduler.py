@@ -12,20 +12,17 @@ from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request, SequenceStatus
 from pagellm.sampling_params import SamplingParams
 from tests.core.fake_model import FakeClock, fake_step, run_to_end
+from tests.core.utils import create_request, create_scheduler
 
 _ids = itertools.count()
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=64, chunked=True):
-    cfg = SchedulerConfig(budget, max_seqs, max_len, enable_chunked_prefill=chunked)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size), eos_token_ids=[0], clock=FakeClock())
+    return create_scheduler(num_blocks, block_size, budget, max_seqs, max_len, enable_chunked_prefill=chunked)
 
 
 def make_request(prompt_len, max_tokens=4, **kw):
-    return Request(
-        f"req{next(_ids)}", None, [5] * prompt_len,
-        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw), arrival_time=0.0,
-    )
+    return create_request(prompt_len, max_tokens, **kw)
 
 
 def test_running_first_then_waiting_and_mixed_prefill_decode():
@@ -53,7 +50,7 @@ def test_token_budget_and_max_num_seqs_hold_every_step():
         assert out.num_batched_tokens <= 16
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
         assert len(sched.running) <= 3 and len(out.scheduled) <= 3
-    assert sched.kv_cache.num_free_blocks == 200
+    assert sched.kv_cache_manager.num_free_blocks == 200
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
@@ -82,7 +79,7 @@ def test_preempts_the_most_recently_admitted_and_recomputes_it():
         assert seq.status is SequenceStatus.FINISHED_LENGTH and seq.num_output_tokens == 6
         # The recompute regenerated exactly the same positions (the fake token is the position).
         assert seq.output_token_ids == [1 + (3 + i) % 50 for i in range(6)]
-    assert sched.kv_cache.num_free_blocks == 6
+    assert sched.kv_cache_manager.num_free_blocks == 6
 
 
 def test_abort_in_every_state_returns_blocks():
@@ -95,9 +92,9 @@ def test_abort_in_every_state_returns_blocks():
     assert chunking.seqs[0].status is SequenceStatus.RUNNING and chunking.seqs[0].num_computed_tokens < 20
     for r in (chunking, running, waiting):
         sched.abort_request(r)
-        sched.kv_cache.assert_consistent()
+        sched.kv_cache_manager.assert_consistent()
     assert all(s.status is SequenceStatus.FINISHED_ABORTED for r in (running, chunking, waiting) for s in r.seqs)
-    assert not sched.has_unfinished() and sched.kv_cache.num_free_blocks == 20
+    assert not sched.has_unfinished() and sched.kv_cache_manager.num_free_blocks == 20
 
 
 def test_stops_at_max_model_len_with_length():
@@ -148,11 +145,12 @@ def test_random_workloads_keep_invariants_and_always_finish(ops, block_size, chu
             fake_step(sched)
         elif op[0] == "abort" and live:
             sched.abort_request(live[op[1] % len(live)])
-        sched.kv_cache.assert_consistent()
-        assert sum(1 for b in sched.kv_cache.pool.blocks if b.ref_cnt) + sched.kv_cache.num_free_blocks == num_blocks
+        manager = sched.kv_cache_manager
+        manager.assert_consistent()
+        assert sum(1 for b in manager.pool.blocks if b.ref_cnt) + manager.num_free_blocks == num_blocks
     run_to_end(sched, limit=2000)
     assert all(r.is_finished for r in live)
-    assert sched.kv_cache.num_free_blocks == num_blocks and not sched.kv_cache.block_tables
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks and not sched.kv_cache_manager.block_tables
 
 
 SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]

@@ -157,7 +157,7 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(llm):
         SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True, skip_special_tokens=False),
     ]
     engine = llm.llm_engine
-    assert engine._decode_at_end_matches_stream  # this tokenizer: decoded once at the end
+    assert engine.output_processor.decode_at_end_matches_stream  # this tokenizer: decoded once at the end
     for i, params in enumerate(cases):
         finals = llm.generate(prompts, params, use_tqdm=False)  # FINAL_ONLY
         for j, prompt in enumerate(prompts):
@@ -184,7 +184,7 @@ def test_tokenizers_that_clean_up_spaces_are_decoded_as_they_stream(llama_path, 
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
     llm = LLM(str(folder), max_model_len=128, num_kv_blocks=32, block_size=8)
     engine = llm.llm_engine
-    assert engine.tokenizer.clean_up_tokenization_spaces and not engine._decode_at_end_matches_stream
+    assert engine.tokenizer.clean_up_tokenization_spaces and not engine.output_processor.decode_at_end_matches_stream
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
     (final,) = llm.generate(["Hello, world"], params, use_tqdm=False)
     engine.add_request("streamed", "Hello, world", params)
@@ -193,45 +193,3 @@ def test_tokenizers_that_clean_up_spaces_are_decoded_as_they_stream(llama_path, 
         for out in engine.step():
             streamed = out.outputs[0].text
     assert final.outputs[0].text == streamed
-
-
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_step_log_counts_a_shared_prefix_once_in_the_distinct_kv(llama_path, prefix_caching):
-    """The benchmarks' roofline charges the K/V a step reads: a prefix shared by several decodes once."""
-    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=128, block_size=16,
-              enable_prefix_caching=prefix_caching)
-    prefix = random_prompts([64], vocab=500, seed=9)[0]  # four full blocks
-    prompts = [prefix + tail for tail in random_prompts([5, 9, 12], vocab=500, seed=10)]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # caches the prefix
-    llm.llm_engine.step_log = []
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    decodes = [s for s in llm.llm_engine.step_log if s.num_prefill_tokens == 0 and s.num_decode_seqs == 3]
-    assert decodes
-    for s in decodes:
-        # With the cache the three tables share the prefix's four blocks: two of the three reads repeat.
-        shared = 2 * 64 if prefix_caching else 0
-        assert s.distinct_context_tokens == s.context_tokens - shared
-
-
-def test_step_log_takes_the_kv_stats_where_blocks_in_use_reach_a_new_high(llama_path):
-    """The memory report reads fragmentation and sequences at the peak step: they are taken there
-    (and at every earlier new high), and the peak's figures are those of the cache after that step."""
-    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=128, block_size=16)
-    llm.llm_engine.step_log = []
-    prompts = random_prompts([20, 40, 33], vocab=500, seed=4)
-    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)],
-                 use_tqdm=False)
-    log = llm.llm_engine.step_log
-    high = -1
-    for record in log:
-        assert (record.kv_fragmentation is not None) == (record.kv_blocks_in_use > high)
-        high = max(high, record.kv_blocks_in_use)
-    peak = max(log, key=lambda s: s.kv_blocks_in_use)
-    assert peak.kv_sequences == 3
-    # First reached by the prefill step: the prompts' 20 + 40 + 33 tokens in 2 + 3 + 3 blocks of 16.
-    assert peak.kv_fragmentation == 1 - (20 + 40 + 33) / (8 * 16)
-    assert any(r.kv_fragmentation is None for r in log)  # the shrinking tail is not measured
-    # An emptied log starts its highs again.
-    log.clear()
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert log[0].kv_fragmentation is not None and log[0].kv_sequences == 1

@@ -28,8 +28,8 @@ def expected(llama_path, prompts):
 
 
 def test_chunked_prefill_gives_the_same_tokens(llama_path, prompts, expected):
-    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4, max_num_batched_tokens=32, max_num_seqs=32,
-              enable_prefix_caching=False)
+    llm = LLM(str(llama_path), max_model_len=256, num_kv_blocks=512, block_size=4, max_num_batched_tokens=32,
+              max_num_seqs=32, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
     assert_all_blocks_free(llm)

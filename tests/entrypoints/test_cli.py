@@ -53,7 +53,8 @@ def test_bad_flags_exit_non_zero_with_a_message(llama_path, tmp_path):
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
     r = subprocess.run([*cmd[:-1], "--log-level", "bogus", "generate", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
-    r = subprocess.run([*cmd[:-1], "serve", str(llama_path), "--shutdown-timeout", "-1"], capture_output=True, text=True)
+    r = subprocess.run([*cmd[:-1], "serve", str(llama_path), "--shutdown-timeout", "-1"],
+                       capture_output=True, text=True)
     assert r.returncode == 2 and "--shutdown-timeout must be a finite number of seconds >= 0" in r.stderr
 
 

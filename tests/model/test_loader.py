@@ -63,14 +63,16 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM.*"
+                                         "MistralForCausalLM.*Qwen2ForCausalLM"):
         LLM(str(tmp_path))
 
 
 def test_shape_mismatch_names_the_weight(llama_path, tmp_path):
     folder = copy_ckpt(llama_path, tmp_path / "bad")
     edit_config(folder, intermediate_size=96)
-    with pytest.raises(ValueError, match=r"weight 'model.layers.0.mlp.(gate|up|down)_proj.weight' has shape .* config implies"):
+    with pytest.raises(ValueError, match=r"weight 'model.layers.0.mlp.(gate|up|down)_proj.weight' "
+                                         r"has shape .* config implies"):
         LLM(str(folder), max_model_len=64, num_kv_blocks=8)
 
 
@@ -109,7 +111,8 @@ def test_half_precision_runs_and_mostly_agrees_with_float32(llama_path, dtype):
 
 
 def test_kv_cache_too_small_for_one_sequence_fails_at_start_up(llama_path):
-    with pytest.raises(ValueError, match=r"holds 4 blocks \(64 tokens\).*max_model_len=128 needs 8 blocks.*--num-kv-blocks"):
+    with pytest.raises(ValueError, match=r"holds 4 blocks \(64 tokens\).*max_model_len=128 needs 8 blocks"
+                                         r".*--num-kv-blocks"):
         LLM(str(llama_path), max_model_len=128, num_kv_blocks=4)
     with pytest.raises(ValueError, match="max_model_len=4096 is larger than the model's max_position_embeddings=2048"):
         LLM(str(llama_path), max_model_len=4096)

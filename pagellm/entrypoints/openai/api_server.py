@@ -38,7 +38,8 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
 )
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
-from pagellm.entrypoints.openai.serving import OpenAIServing
+from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pagellm.server")
 
@@ -137,6 +138,10 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from e
+
+
+class OpenAIServing(OpenAIServingCompletion, OpenAIServingChat):
+    """Both handlers over one engine, one tokenizing thread and one set of model names."""
 
 
 @dataclass

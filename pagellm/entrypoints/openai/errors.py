@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -60,7 +61,7 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _TYPE_WORDS or "[" in part)
 
 
-def _union_error(errors: list[dict]) -> Optional[APIError]:
+def _union_error(errors: Sequence[Mapping[str, Any]]) -> Optional[APIError]:
     """One message for a field that takes several types (``prompt``, ``stop``, a message's ``content``):
     pydantic reports a failure per member, and the first alone names a member, not the field."""
     if errors[0].get("type") == "extra_forbidden":  # an unknown key may well be spelled "str"

@@ -134,7 +134,7 @@ class SamplingFields(StrictModel):
                 raise ValueError(f"logit_bias keys must be token ids written as non-negative integers "
                                  f"(\"42\"), got {bad[:5]}")
             bias = {int(k): v for k, v in self.logit_bias.items()}
-        given = {
+        given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,

@@ -38,7 +38,8 @@ class EngineServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = float(config.timeout_graceful_shutdown or 0.0)
-        config.timeout_graceful_shutdown = self.shutdown_timeout + ABORT_GRACE_S
+        # (uvicorn annotates int | None, but passes it to asyncio.wait_for: any number of seconds)
+        config.timeout_graceful_shutdown = self.shutdown_timeout + ABORT_GRACE_S  # type: ignore[assignment]
         self._exit_asked_at: Optional[float] = None
         engine.fatal_callbacks.append(self._engine_failed)
 

@@ -1,0 +1,126 @@
+"""Engine start-up: the model's length limit, the tokenizer and its stop tokens, and the KV cache
+sized from the memory settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.config import EngineArgs, parse_memory
+from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.model.llama import head_dim_of
+from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagellm.worker.cpu_tuning import available_host_memory
+
+logger = logging.getLogger("pagellm.engine.llm_engine")
+
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+# A tokenizer folder holds one of these (the first three are what users are told to provide; the
+# last two are the files of older byte-level BPE and SentencePiece tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
+
+
+def resolve_max_model_len(config: Any, asked: int | None) -> int:
+    """``--max-model-len``, or the model's ``max_position_embeddings``; never more than the latter."""
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(
+            f"max_model_len={asked} is larger than the model's max_position_embeddings={limit}: "
+            f"use --max-model-len {limit} or less"
+        )
+    return asked
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{path!r} has no tokenizer: none of {' / '.join(TOKENIZER_FILES[:3])} is there. Copy the model's "
+            "tokenizer files into it, or give a folder that has them with --tokenizer PATH (tokenizer=... in LLM)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types; all mean the same to a user
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def eos_token_ids(folder: Path, config: Any, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id the config, the tokenizer and generation_config.json name."""
+    ids: set[int] = set()
+    gen_path = folder / "generation_config.json"
+    sources: list[Any] = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(t) for t in s)
+    return ids
+
+
+def kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
+    """Bytes for the KV cache: --kv-cache-memory, else --gpu-memory-utilization of what is available
+    now that the model is loaded, else 2 GiB on a CPU and 90% of free memory on CUDA."""
+    utilization = args.gpu_memory_utilization
+    if args.kv_cache_memory is not None:
+        return parse_memory(args.kv_cache_memory)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * (utilization if utilization is not None else 0.9))
+    if utilization is not None:
+        # vLLM's flag on a CPU: a share of the host memory still available now that the model is loaded.
+        available = available_host_memory()
+        budget = int(available * utilization)
+        logger.info("--gpu-memory-utilization %.2f of the %.1f GiB of host memory available: %.1f GiB for the "
+                    "KV cache", utilization, available / 2**30, budget / 2**30)
+        return budget
+    return DEFAULT_CPU_KV_MEMORY
+
+
+def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device: torch.device,
+                      max_model_len: int) -> tuple[CacheEngine, KVCacheManager]:
+    """The KV tensors (device pool and swap pool) and the manager of their blocks, sized from the
+    memory settings; ValueError naming the flags when one max_model_len sequence does not fit or
+    the allocator refuses."""
+    num_layers = config.num_hidden_layers
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = head_dim_of(config)
+    block_bytes = bytes_per_block(num_layers, args.block_size, num_kv_heads, head_dim, dtype)
+    num_blocks = args.num_kv_blocks if args.num_kv_blocks is not None else kv_budget_bytes(args, device) // block_bytes
+    needed = cdiv(max_model_len, args.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * args.block_size} tokens), but one sequence "
+            f"of max_model_len={max_model_len} needs {needed} blocks: raise --kv-cache-memory or "
+            f"--num-kv-blocks, or lower --max-model-len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2fx",
+        num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
+        str(dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
+    )
+    num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
+    try:
+        cache_engine = CacheEngine(
+            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, dtype, device, num_cpu_blocks
+        )
+    except (RuntimeError, MemoryError) as e:
+        # Only the allocators' refusals (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(e):
+            raise
+        raise ValueError(
+            f"cannot allocate the KV cache: {num_blocks} blocks ({num_blocks * block_bytes / 2**30:.1f} GiB) on "
+            f"{device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
+            f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
+        ) from e
+    manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks)
+    return cache_engine, manager

@@ -1,0 +1,143 @@
+"""``POST /v1/chat/completions``: messages through the chat template -> an engine request -> OpenAI's
+chat.completion JSON or chat.completion.chunk SSE events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from pagellm.engine.input_processor import ChatTemplateSyntaxError
+from pagellm.entrypoints.openai.errors import APIError, from_value_error
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
+from pagellm.outputs import Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        conversation = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text":
+                        raise APIError(400, f"messages[{i}].content: content part type {part.get('type')!r} is not "
+                                            "supported; only text parts are", param=f"messages.{i}.content")
+                    if not isinstance(part.get("text"), str):
+                        raise APIError(400, f"messages[{i}].content: a text part needs a 'text' string, as in "
+                                            "{'type': 'text', 'text': 'Hello'}", param=f"messages.{i}.content")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            role = "system" if m.role == "developer" else m.role
+            conversation.append({"role": role, "content": content or ""})
+        try:
+            return self.llm.apply_chat_template(conversation, self.chat_template, add_generation_prompt)
+        except ChatTemplateSyntaxError as e:  # the server's template is broken: not the client's doing
+            raise APIError(500, str(e)) from e
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     truncate: Optional[int] = None) -> tuple[str, list[int]]:
+        ids = self.chat_prompt_ids(messages, add_generation_prompt)
+        if truncate is not None:  # vLLM's truncate_prompt_tokens: the last that many tokens
+            ids = ids[-truncate:]
+        return self.tokenizer.decode(ids), ids
+
+    async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        self.check_model(req.model)
+        self._check_fields(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
+                           param="top_logprobs")
+        # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", param=limit_name)
+        text, ids = await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt,
+                                        req.truncate_prompt_tokens)
+        if max_tokens is None:  # the room left, or less where generation_config.json says so
+            max_tokens = max(1, min(self.max_model_len - len(ids), self.defaults.get("max_tokens", self.max_model_len)))
+        try:
+            params = req.sampling_params(max_tokens=max_tokens, defaults=self.defaults,
+                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        except ValueError as e:
+            raise from_value_error(e) from e
+        self._check_length(len(ids), max_tokens, what="messages", max_tokens_name=limit_name)
+        job = self._start([(text, ids)], params, req, "chatcmpl")
+        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
+        if req.stream:
+            envelope.object = "chat.completion.chunk"
+            return self._sse(self._chat_chunks(job, req, envelope))
+        finals = await self._collect(job, http)
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        (out,) = finals
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": ({"content": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)}
+                         if req.logprobs else None),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        } for c in out.outputs]
+        return envelope.body(choices, usage=self._usage(job))
+
+    @staticmethod
+    def _chat_logprobs(token_ids: list[int], entries: Optional[list], top_n: int) -> list[dict[str, Any]]:
+        """OpenAI's chat ``logprobs.content``: each token with its ``top_n`` alternatives."""
+        def item(lp: Logprob) -> dict[str, Any]:
+            tok = lp.decoded_token or ""
+            return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8"))}
+
+        content = []
+        for tid, entry in zip(token_ids, entries or []):
+            chosen = item(entry[tid])
+            tops = sorted((v for v in entry.values() if v.rank is not None and v.rank <= top_n), key=lambda v: v.rank)
+            chosen["top_logprobs"] = [item(v) for v in tops]
+            content.append(chosen)
+        return content
+
+    async def _chat_chunks(self, job: Job, req: ChatCompletionRequest, envelope: Envelope) -> AsyncIterator[str]:
+        states: dict[int, ChoiceState] = {}
+        usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
+        top_n = req.top_logprobs or 0
+
+        def chunk(choice: dict[str, Any], completion_tokens: int) -> str:
+            usage = self._chunk_usage(job, 0, completion_tokens) if req.continuous_usage else usage_field
+            return envelope.chunk([choice], **usage)
+
+        for i in range(job.params.n):  # the role comes first, for every choice
+            states[i] = ChoiceState(started=True)
+            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}, 0)
+        async for _, out in self._merged(job):
+            for c in out.outputs:
+                st = states.setdefault(c.index, ChoiceState())
+                if st.finished:
+                    continue
+                delta = self._visible_text(c, job.params, st)[st.text_sent:]
+                logprobs = None
+                if req.logprobs and len(c.token_ids) > st.tokens_sent:
+                    logprobs = {"content": self._chat_logprobs(
+                        c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:], top_n)}
+                    st.tokens_sent = len(c.token_ids)
+                if delta or logprobs:
+                    st.text_sent += len(delta)
+                    yield chunk({"index": c.index, "delta": {"content": delta}, "logprobs": logprobs,
+                                 "finish_reason": None}, len(c.token_ids))
+                if c.finish_reason is not None:
+                    st.finished = True
+                    yield chunk({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                                 "stop_reason": c.stop_reason}, len(c.token_ids))
+        if req.include_usage:
+            yield envelope.chunk([], usage=self._usage(job))
+        yield "data: [DONE]\n\n"
+
