@@ -1,135 +1,39 @@
-"""Build, load and call the C kernels in this folder.
+"""Declare and call the C kernels (``csrc/``; built and loaded by ``build.py``).
 
-The kernels are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
-machine (``-march=native``) and cached under ``$PAGELLM_CACHE_DIR`` (default
-``~/.cache/pagellm``), keyed by the source, the compiler and the CPU, then loaded with ``ctypes``:
-no build step at install time and no CUDA toolchain. OpenMP threads come from the runtime PyTorch
-already loaded. Where they cannot be built or loaded (no compiler, no OpenMP, an unwritable cache
-folder), or with ``PAGELLM_NATIVE_KERNELS=0``, ``load()`` returns None (with a warning, once) and
-callers use their PyTorch path.
+``load()`` returns the compiled library with every function's ``ctypes`` signature declared, or None
+where the kernels are disabled (``PAGELLM_NATIVE_KERNELS=0``) or cannot be built or loaded (no
+compiler, no OpenMP, an unwritable cache folder: warned once), and callers use their PyTorch path. The
+functions below check their arguments and call the kernels, or report that the kernel does not apply.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagellm.kernels import build
+from pagellm.kernels.build import COMPILE_FLAGS, LINK_FLAGS, cache_dir, cpu_flags  # noqa: F401 (re-exported)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# OpenMP is required: without it the kernels would run on one thread, slower than PyTorch's
-# multi-threaded path, which is then used instead. -lm after the source (linkers drop unused
-# libraries named before it).
-COMPILE_FLAGS = ["-O3", "-march=native", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC"]
-LINK_FLAGS = ["-lm"]
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in cpu_kernels.c
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
-    return Path(root) / "kernels"
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    text = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text += "".join(line for line in f if line.startswith(("model name", "flags", "Features")))
-    except OSError:
-        text += platform.processor()
-    return text
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _build(cc: str, target: Path) -> Optional[str]:
-    """Compile SOURCE to target (atomically); returns what went wrong, or None."""
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        proc = subprocess.run([cc, *COMPILE_FLAGS, str(SOURCE), "-o", tmp, *LINK_FLAGS],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            return proc.stderr.strip()[-2000:] or f"{cc} exited with {proc.returncode}"
-        os.replace(tmp, target)  # concurrent builders each write their own file; the last one wins
-        return None
-    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache folder, compiler gone, ...
-        return str(e)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+# What ``load()`` compiles: the folder of C files (or one C file: benchmarks/kernel_ab.py points this at
+# another revision's kernels).
+SOURCE = build.SOURCE_DIR
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in csrc/cpu_kernels.h
 
 
 @functools.lru_cache(maxsize=None)
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernels, built if needed; None when disabled or when they cannot be built."""
-    if os.environ.get("PAGELLM_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        logger.info("native kernels disabled by PAGELLM_NATIVE_KERNELS")
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.warning("no C compiler found (set CC): attention and sampling use the slower PyTorch path")
-        return None
-    key = hashlib.sha256(b"\0".join(
-        [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(cc).encode(),
-         _cpu_signature().encode()]
-    )).hexdigest()[:16]
-    path = cache_dir() / f"{SOURCE.stem}-{key}.so"
-    error = None
-    for attempt in range(2):  # a cached library that no longer loads (another glibc?) is rebuilt once
-        if attempt or not path.exists():
-            logger.info("compiling native CPU kernels for this CPU (first run only) ...")
-            t0 = time.perf_counter()
-            error = _build(cc, path)
-            if error is not None:
-                break
-            logger.info("compiled the native CPU kernels in %.1f s (cached in %s)", time.perf_counter() - t0,
-                        path.parent)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            error = f"loading {path}: {e}"
-            continue
-        _declare(lib)
-        logger.info("native kernels loaded from %s", path)
-        return lib
-    logger.warning("native kernels could not be built (%s %s); attention and sampling use the slower "
-                   "PyTorch path:\n%s", cc, " ".join(COMPILE_FLAGS), error)
-    return None
+    return build.load_library(SOURCE, _declare)
+
+
+def _lib() -> ctypes.CDLL:
+    """``load()`` where the caller checked that it is not None (``supports``, ``_applies``, ...)."""
+    lib = load()
+    assert lib is not None, "native kernels are not loaded: check supports() first"
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -138,12 +42,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
-        [ptr, i64] + [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr, i64])
+        [ptr, i64, *[ptr] * 5, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr, i64])
     lib.pagellm_prefill_scratch_floats.restype = i64
     lib.pagellm_prefill_scratch_floats.argtypes = [i64, i64, i64]
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
     lib.pagellm_paged_prefill_attention.argtypes = (
-        [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+        [ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
     lib.pagellm_bf16_dot_products.restype = ctypes.c_int
     lib.pagellm_bf16_dot_products.argtypes = [ctypes.c_int]
     lib.pagellm_write_kv.restype = None
@@ -179,7 +83,7 @@ def cascade_supported(k_cache: torch.Tensor) -> bool:
     """Whether ``paged_decode_attention`` reads blocks shared by several decodes once (its ``cascade``):
     bfloat16 pools of block_size 16 and head_dim 64 or 128, on the CPU's bfloat16 dot products."""
     return (k_cache.dtype == torch.bfloat16 and prefill_supported(k_cache)
-            and load().pagellm_bf16_dot_products(-1) > 0)
+            and _lib().pagellm_bf16_dot_products(-1) > 0)
 
 
 def paged_prefill_attention(
@@ -203,7 +107,7 @@ def paged_prefill_attention(
         raise ValueError(f"block table of {block_table.numel()} blocks cannot hold {cached + q_len} tokens")
     table = block_table.to(torch.int64).contiguous()
     threads = torch.get_num_threads()
-    lib = load()
+    lib = _lib()
     scratch = torch.empty(threads * lib.pagellm_prefill_scratch_floats(num_heads, num_kv_heads, head_dim),
                           dtype=torch.float32)
     if out is None:
@@ -246,7 +150,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             or any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (k, v))):
         return False
     if n:
-        load().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n,
+        _lib().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n,
                                 k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim, k_cache.shape[3],
                                 k.element_size(), torch.get_num_threads())
     return True
@@ -264,7 +168,7 @@ def argmax_logsumexp(logits: torch.Tensor,
     idx = torch.empty(rows, dtype=torch.int64)
     lse = torch.empty(rows, dtype=torch.float32) if with_lse else None
     if rows and vocab:
-        load().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(),
+        _lib().pagellm_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(),
                                         None if lse is None else lse.data_ptr(), torch.get_num_threads())
     return idx, lse
 
@@ -296,14 +200,14 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def scratch_for(num_heads: int, head_dim: int, block_size: int, max_blocks: int) -> torch.Tensor:
     """The kernel's per-thread working memory for one step (shared by every layer)."""
-    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
+    per_thread = _lib().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
     return torch.empty(torch.get_num_threads() * per_thread, dtype=torch.float32)
 
 
 def scratch_enough(scratch: torch.Tensor, num_heads: int, head_dim: int, block_size: int,
                    max_blocks: int) -> torch.Tensor:
     """``scratch``, or a larger one where the thread count was raised since it was made."""
-    per_thread = load().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
+    per_thread = _lib().pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks)
     needed = torch.get_num_threads() * per_thread
     return scratch if scratch.numel() >= needed else torch.empty(needed, dtype=torch.float32)
 
@@ -334,7 +238,8 @@ def paged_decode_attention(
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"need one block-table row and one length per query: q {tuple(q.shape)}, "
                          f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
-    if tables.dtype != torch.int64 or lens.dtype != torch.int64 or not (tables.is_contiguous() and lens.is_contiguous()):
+    if (tables.dtype != torch.int64 or lens.dtype != torch.int64
+            or not (tables.is_contiguous() and lens.is_contiguous())):
         raise ValueError("block tables and context lengths must be contiguous int64 tensors")
     scratch = scratch_enough(scratch, num_heads, head_dim, block_size, tables.shape[1])
     if out is None:
@@ -354,7 +259,7 @@ def paged_decode_attention(
                 raise ValueError(f"cascade rows must be ordered, disjoint runs (begin, end, shared) of the "
                                  f"{num_seqs} sequences sharing 1 <= shared <= their blocks; got {runs}")
             done = end
-    load().pagellm_paged_decode_attention(
+    _lib().pagellm_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
@@ -385,7 +290,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     hidden = weight.numel()
     add = None if residual is None else residual.data_ptr()
-    load().pagellm_rms_norm(x.data_ptr(), add, add, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
+    _lib().pagellm_rms_norm(x.data_ptr(), add, add, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
                             eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
@@ -398,7 +303,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
     if rows:
-        load().pagellm_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype],
+        _lib().pagellm_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype],
                                     torch.get_num_threads())
     return out
 
@@ -413,7 +318,7 @@ def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tenso
             or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] != head_dim
             or not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape)):
         return False
-    load().pagellm_rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, head_dim, positions.data_ptr(),
+    _lib().pagellm_rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, head_dim, positions.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], torch.get_num_threads())
     return True
 
@@ -443,7 +348,7 @@ def _linear_lib() -> ctypes.CDLL:
     return lib
 
 
-# Output modes of the kernel (enum in cpu_kernels.c).
+# Output modes of the kernel (enum in csrc/cpu_kernels.h).
 _LINEAR_BF16, _LINEAR_F32, _LINEAR_SILU_GATED = 0, 1, 2
 
 
@@ -463,7 +368,8 @@ def pack_linear_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tenso
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"need a 2-D bfloat16 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
     if gated and weight.shape[0] % 2:
-        raise ValueError(f"a gated weight stacks gate and up rows: it needs an even number of rows, got {weight.shape[0]}")
+        raise ValueError("a gated weight stacks gate and up rows: it needs an even number of rows, "
+                         f"got {weight.shape[0]}")
     lib = _linear_lib()
     weight = weight.contiguous()
     n, k = weight.shape

@@ -464,7 +464,8 @@ def test_a_prefill_row_does_not_depend_on_the_other_rows(heads, kv_heads, head_d
 def test_prefill_rejects_an_unfit_output_buffer():
     k_cache, v_cache, tables, _, _ = _cache_with_history([20], 16, 2, 64, torch.bfloat16)
     q = torch.randn(20, 2, 64).bfloat16()
-    for bad in (torch.empty(20, 2, 64), torch.empty(19, 2, 64).bfloat16(), torch.empty(20, 64, 2).bfloat16().transpose(1, 2)):
+    for bad in (torch.empty(20, 2, 64), torch.empty(19, 2, 64).bfloat16(),
+                torch.empty(20, 64, 2).bfloat16().transpose(1, 2)):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             native.paged_prefill_attention(q, k_cache, v_cache, tables[0], 0, 0.125, out=bad)
 

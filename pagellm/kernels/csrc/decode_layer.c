@@ -1,0 +1,77 @@
+/* Decode steps in one call.
+ * A decode-only step of a Llama-family model (pagellm/model/llama.py) runs the same kernels in the
+ * same order for every layer; from Python that is nine calls a layer, ~1 ms of interpreter time
+ * a step (4% of a 41-sequence step of W1's model, 15-25% of the small steps at the end of a batch).
+ * pagellm_decode_layers makes those calls itself: DecoderLayer.forward's order, written out once
+ * more, for bfloat16 models whose linears are all packed for the native kernel. Tests check that it
+ * gives the Python path's bits (tests/model/test_native_decode.py). */
+#include "cpu_kernels.h"
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;                 /* RMSNorm weights [hidden], bfloat16 */
+    const uint32_t *qkv, *o, *gate_up, *down;               /* packed weights (gate_up gated) */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 [out] or NULL */
+    void *k_pool, *v_pool;                                  /* this layer's KV pools */
+} pagellm_decode_layer;
+
+typedef struct {
+    int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size, max_blocks, window;
+    float eps, scale;
+    const int64_t *positions, *slots, *tables, *lens; /* per row: position, KV slot, block table, context */
+    const int64_t *cascade;                           /* runs sharing their first blocks (attention_decode.c) */
+    int64_t num_cascade;
+    const float *cos, *sin;                           /* rotary tables [max_position, head_dim] */
+    float *attention_scratch;                         /* num_threads * pagellm_scratch_floats(...) */
+    uint16_t *normed, *qkv, *attention, *act;         /* work: rows x hidden, x qkv width, x heads * head_dim, */
+                                                      /* x inter */
+    const uint16_t *final_norm;                       /* the model's last RMSNorm [hidden], or NULL */
+    float final_eps;
+} pagellm_decode_step;
+
+/* x: [rows, hidden] bfloat16, the embeddings in and the last layer's MLP output out; residual:
+ * [rows, hidden], the running sum before that output (what DecoderLayer.forward returns). With
+ * final_norm, the model's last norm follows: residual becomes the whole sum and x its normed rows
+ * (what the model's forward returns). Returns 0, -1 where the linear kernel is not compiled in, -2
+ * without memory. */
+int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers, const pagellm_decode_step *s,
+                          uint16_t *x, uint16_t *residual, int num_threads) {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t width = q_size + 2 * kv_size, rows = s->rows;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const pagellm_decode_layer *w = &layers[l];
+        if (l == 0) { /* the residual stream starts as the embeddings */
+            memcpy(residual, x, (size_t)(rows * s->hidden) * sizeof(uint16_t));
+            pagellm_rms_norm(x, NULL, NULL, w->input_norm, s->normed, rows, s->hidden, s->eps, PAGELLM_BF16,
+                             num_threads);
+        } else {
+            pagellm_rms_norm(x, residual, residual, w->input_norm, s->normed, rows, s->hidden, s->eps, PAGELLM_BF16,
+                             num_threads);
+        }
+        int status = pagellm_linear_bf16(s->normed, s->hidden, rows, s->hidden, w->qkv, width, w->qkv_bias, s->qkv,
+                                         LINEAR_BF16, num_threads);
+        if (status != 0) return status;
+        pagellm_rotary(s->qkv, rows, width, s->heads + s->kv_heads, s->head_dim, s->positions, s->cos, s->sin,
+                       PAGELLM_BF16, num_threads);
+        pagellm_write_kv(s->qkv + q_size, width, s->qkv + q_size + kv_size, width, s->slots, rows, w->k_pool,
+                         w->v_pool, s->kv_heads, s->head_dim, s->block_size, 2, num_threads);
+        pagellm_paged_decode_attention(s->qkv, width, w->k_pool, w->v_pool, s->tables, s->lens, s->attention, rows,
+                                       s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
+                                       s->scale, PAGELLM_BF16, num_threads, s->attention_scratch, s->cascade,
+                                       s->num_cascade);
+        status = pagellm_linear_bf16(s->attention, q_size, rows, q_size, w->o, s->hidden, w->o_bias, x, LINEAR_BF16,
+                                     num_threads);
+        if (status != 0) return status;
+        pagellm_rms_norm(x, residual, residual, w->post_norm, s->normed, rows, s->hidden, s->eps, PAGELLM_BF16,
+                         num_threads);
+        status = pagellm_linear_bf16(s->normed, s->hidden, rows, s->hidden, w->gate_up, 2 * s->inter, w->gate_up_bias,
+                                     s->act, LINEAR_SILU_GATED, num_threads);
+        if (status != 0) return status;
+        status = pagellm_linear_bf16(s->act, s->inter, rows, s->inter, w->down, s->hidden, w->down_bias, x, LINEAR_BF16,
+                                     num_threads);
+        if (status != 0) return status;
+    }
+    if (s->final_norm != NULL) /* in place: each row is read before its normed values are stored */
+        pagellm_rms_norm(x, residual, residual, s->final_norm, x, rows, s->hidden, s->final_eps, PAGELLM_BF16,
+                         num_threads);
+    return 0;
+}
