@@ -52,10 +52,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """A zeroed CPU tensor in a fresh anonymous mapping that asks Linux for transparent huge pages.
 
     Decode attention reads the KV pools in 16 KiB blocks scattered over hundreds of MiB: with 4 KiB
-    pages nearly every block costs TLB misses, with 2 MiB pages few do (10-15% faster attention
-    here). A fresh mapping (not heap memory that may already sit on small pages) with
-    ``MADV_HUGEPAGE`` gets huge pages as it is first written; it is written (zeroed) here, so that
-    those page faults happen at start-up and not under the first requests. Where that is not
+    pages nearly every block costs TLB misses, with 2 MiB pages few do. A fresh mapping (not heap
+    memory that may already sit on small pages) with ``MADV_HUGEPAGE`` gets huge pages as it is first
+    written; it is written (zeroed) here, so that those page faults happen at start-up and not under
+    the first requests. Where that is not
     available (not Linux, THP off, small tensors) the tensor is the same, on small pages.
     """
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -26,7 +26,7 @@ static inline void prefetch(const void *base, int64_t offset, int64_t n, int dty
 /* The pool offset of block b + 1 of a table (blocks of block_elems elements), to prefetch while block
  * b is used; -1 past the last block, and where block b + 1 follows block b in memory (a prompt's
  * blocks, allocated together, mostly do): the hardware prefetcher streams such a run by itself, and
- * software prefetches there only compete with it (W1's decode attention 4-7% faster without them). */
+ * software prefetches there only compete with it (decode attention measured faster without them). */
 static inline int64_t next_block(const int64_t *table, int64_t b, int64_t nb, int64_t block_elems) {
     return b + 1 < nb && table[b + 1] != table[b] + 1 ? table[b + 1] * block_elems : -1;
 }

@@ -116,7 +116,7 @@ DEFINE_PREFILL_TILE(128, 2)
  * PREFILL_CHUNK_BLOCKS key blocks at once: a tile of TILE_ROWS rows scores all its keys of a chunk
  * (stored, scaled), takes each row's maximum and exponentials over them with one reduction each, and
  * weighs the chunk's values in one pass with its outputs in registers. (Updating the online softmax
- * every 32 keys cost ~22% of the kernel in reductions, rescales and output round trips.) Chunks are
+ * every 32 keys spent much of the kernel on reductions, rescales and output round trips.) Chunks are
  * aligned to absolute block indices and a row's masked lanes add exact zeros, so a row's result does
  * not depend on which other rows share its tile or work item. kp: the chunk's blocks, each head_dim / 2
  * pair-permuted key rows; vp: each block's values as 8 token pairs x head_dim / 16 unpacked halves;

@@ -1,7 +1,7 @@
 /* Decode steps in one call.
  * A decode-only step of a Llama-family model (pagellm/model/llama.py) runs the same kernels in the
- * same order for every layer; from Python that is nine calls a layer, ~1 ms of interpreter time
- * a step (4% of a 41-sequence step of W1's model, 15-25% of the small steps at the end of a batch).
+ * same order for every layer; from Python that is nine calls a layer, interpreter time that weighs
+ * on every step and most on the small steps at the end of a batch.
  * pagellm_decode_layers makes those calls itself: DecoderLayer.forward's order, written out once
  * more, for bfloat16 models whose linears are all packed for the native kernel. Tests check that it
  * gives the Python path's bits (tests/model/test_native_decode.py). */

@@ -1,7 +1,7 @@
 /* bfloat16 linear layers.
  * y[M, N] = x[M, K] @ w[N, K]^T (+ bias), bfloat16 in, bfloat16 out (or those values as float32),
  * float32 sums, on the AVX512-BF16 dot products. oneDNN reaches the same rate at prefill's large M,
- * but at decode's M (a few to a few dozen rows) it leaves 15-50% of the multiply rate unused; this
+ * but at decode's M (a few to a few dozen rows) it leaves much of the multiply rate unused; this
  * kernel keeps a register tile of up to LINEAR_ROWS rows x 32 columns busy whatever M is. Not used
  * where the CPU has AMX (oneDNN's tile instructions are far faster there) nor where the dot products
  * are missing.
@@ -14,8 +14,8 @@
 
 #define LINEAR_COLS 32 /* output columns per weight panel: two vectors of 16 float32 sums */
 #define LINEAR_ROWS 12 /* most rows per register tile: 24 accumulators of the 32 vector registers */
-/* Inputs a panel passes over before the next panel: in L2 with the panel (half of a 1 MiB L2: with
- * 1 MiB, K = 1,408 ran 11% slower). */
+/* Inputs a panel passes over before the next panel: in L2 with the panel (half of a 1 MiB L2; the
+ * whole L2 evicts the panel itself). */
 #define LINEAR_CHUNK_BYTES (512 << 10)
 #define LINEAR_PREFETCH_BYTES (512 << 10) /* larger panels (K > 8192) are not prefetched: they'd evict the inputs */
 
@@ -140,7 +140,7 @@ static inline __mmask16 lanes_below(int64_t count) {
 
 /* A tile's inputs as pairs, pair-major: out[j * rows + r] = pair j of row r (rows <= 16). Each 16 pairs
  * of the rows are loaded as one vector per row (an odd K's last pair gets a zero: the load stops at K)
- * and transposed in registers, instead of one word at a time (which cost ~7% of a prefill step). */
+ * and transposed in registers, instead of one word at a time (a visible share of a prefill step). */
 static void pack_tile_pairs(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint32_t *out) {
     const int64_t pairs = (k + 1) / 2;
     const __mmask16 row_lanes = (__mmask16)((1u << rows) - 1u);
@@ -181,7 +181,7 @@ static void pack_tile_pairs(const uint16_t *x, int64_t x_stride, int rows, int64
 }
 
 /* The mode is a constant in each copy, so that each compiles as the tile did without the option (with
- * the flag as a variable, alternating A/B runs measured up to 4% slower on a noisy machine). */
+ * the flag as a variable, the tile's inner loop carries a branch and measured slower). */
 #define LINEAR_TILE_OUT(ROWS, MODE) \
     linear_tile(x_pairs + r0 * pairs, ROWS, pairs, panel, b0, b1, \
                 MODE == LINEAR_F32 ? (void *)((float *)y + r0 * y_cols + col0) \

@@ -12,8 +12,7 @@ static inline int takes_over(float v, int64_t i, float m, int64_t idx) {
  * log(sum(exp(row))), in one pass each over the row; rows are spread over the threads. A NaN counts as
  * the maximum (as in torch.argmax); -inf entries add exp(-87), nothing next to the maximum's 1. lse NULL:
  * the argmax only. The sampler needs both where a request asks for logprobs (greedy token, and its logprob =
- * logit - logsumexp), and PyTorch's argmax and log_softmax each take about a millisecond per 40 x 32000
- * logits on this kind of CPU. */
+ * logit - logsumexp), and PyTorch's argmax and log_softmax each make several passes over the logits. */
 void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, /* vocab < 2^31 */ int64_t *argmax,
                               float *lse, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
