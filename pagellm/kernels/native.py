@@ -136,7 +136,7 @@ def use_bf16_dot_products(enable: bool) -> Optional[bool]:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Store each token's K/V (num_tokens, num_kv_heads, head_dim; heads contiguous, any stride between
-    tokens) at its slot of the pools (laid out as in ``attention.py``). Slots are the engine's (each
+    tokens) at its slot of the pools (laid out as ``pagellm.model.attention`` describes). Slots are the engine's (each
     within the pool). False where the kernel does not apply (another dtype or device, no kernel): the
     caller writes with PyTorch."""
     n, num_kv_heads, head_dim = k.shape

@@ -65,6 +65,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (neox-style rotate-half)."""
 
+    # Buffers (register_buffer in __init__), declared for the type checker.
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)

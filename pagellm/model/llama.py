@@ -7,17 +7,14 @@ Mistral may use a sliding window, any of them may tie the LM head to the embeddi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
 
-from pagellm.model.attention import AttentionMetadata, OutputRows, paged_attention, write_kv
+from pagellm.model.attention import AttentionBackend, AttentionMetadata, KVCache, OutputRows, StepDriver
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from pagellm.model.native_decode import NativeDecoder, decode_only
 from pagellm.model.packed_linear import PackedLinear
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): layouts in model/attention.py
 
 
 def head_dim_of(config: Any) -> int:
@@ -43,12 +40,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
+        self.backend: Optional[AttentionBackend] = None  # LlamaForCausalLM.set_attention_backend
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
         keep: Optional[OutputRows] = None,
     ) -> torch.Tensor:
         """Every row's K/V is stored; with ``keep``, only its rows are attended and returned."""
+        backend = self.backend
+        assert backend is not None, "the model runner sets the attention backend (set_attention_backend)"
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         rotated = self.rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
@@ -59,11 +59,11 @@ class Attention(nn.Module):
         if not rotated:
             q, k = self.rotary(positions, q, k)
         if keep is None:
-            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
-            write_kv(k, v, kv_cache[0], kv_cache[1], meta)
+            backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta)
             q, k, v = q[keep.index], k[keep.index], v[keep.index]
-            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False)
         return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 
@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
         is_qwen2 = getattr(config, "model_type", "") == "qwen2"
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary, qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2)
+        self.self_attn = Attention(config, rotary, qkv_bias=is_qwen2 or attention_bias,
+                                   o_bias=attention_bias and not is_qwen2)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
@@ -124,11 +125,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Decode-only steps run every layer in one native call where all their kernels are native
-        # (model/native_decode.py; the same bits as the layers' forward). False: always the layers.
-        self.use_native_decoder = True
-        self._decoder: Optional[NativeDecoder] = None
-        self._decoder_pools: Optional[list[KVCache]] = None
+        # Chosen once by the model runner (set_attention_backend).
+        self.attn_backend: Optional[AttentionBackend] = None
+        # Decode-only steps run every layer in one call where the backend has a driver for these
+        # layers (the native one: model/native_decode.py; the same bits as the layers' forward).
+        self._driver: Optional[StepDriver] = None
+        self._driver_pools: Optional[list[KVCache]] = None
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """The attention backend every layer calls (the model runner's, chosen at start-up)."""
+        self.attn_backend = backend
+        for layer in self.layers:
+            cast(DecoderLayer, layer).self_attn.backend = backend
+        self._driver, self._driver_pools = None, None
 
     def forward(
         self,
@@ -139,9 +148,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The final (normed) hidden states of every row, or of ``meta.output_rows``' rows in its order."""
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        decoder = self._native_decoder(kv_caches) if self.use_native_decoder else None
-        if decoder is not None and decode_only(meta, x, positions):
-            return decoder(x, positions, meta)  # every layer and the last norm in one native call
+        driver = self._step_driver(kv_caches)
+        if driver is not None and driver.accepts(meta, x, positions):
+            return driver(x, positions, meta)  # every layer and the last norm in one call
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -149,16 +158,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "LlamaForCausalLM":
-        # .to(), .float(), ... replace the tensors the native decoder points into: build it again.
-        self._decoder, self._decoder_pools = None, None
+        # .to(), .float(), ... replace the tensors the step driver points into: build it again.
+        self._driver, self._driver_pools = None, None
         return super()._apply(fn, *args, **kwargs)
 
-    def _native_decoder(self, kv_caches: list[KVCache]) -> Optional[NativeDecoder]:
-        """The native decode-step driver over these pools (built on first use), or None where it does not apply."""
-        if self._decoder_pools is not kv_caches or (self._decoder is not None and not self._decoder.serves(kv_caches)):
-            self._decoder = NativeDecoder.create(self, kv_caches)
-            self._decoder_pools = kv_caches
-        return self._decoder
+    def _step_driver(self, kv_caches: list[KVCache]) -> Optional[StepDriver]:
+        """The backend's decode-step driver over these pools (built on first use), or None where it has none."""
+        if self._driver_pools is not kv_caches or (self._driver is not None and not self._driver.serves(kv_caches)):
+            assert self.attn_backend is not None, "the model runner sets the attention backend"
+            self._driver = self.attn_backend.step_driver(self, kv_caches)
+            self._driver_pools = kv_caches
+        return self._driver
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits (rounded to the model's dtype
@@ -187,11 +197,12 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_slice(self, param_name: str, shard: int) -> slice:
         """Rows of fused parameter ``param_name`` that shard ``shard`` fills."""
+        first = cast(DecoderLayer, self.layers[0])  # (an nn.ModuleList of DecoderLayers)
         if "qkv_proj" in param_name:
-            attn = self.layers[0].self_attn
+            attn = first.self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            size = self.layers[0].mlp.intermediate_size
+            size = first.mlp.intermediate_size
             sizes = [size, size]
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])

@@ -1,21 +1,23 @@
 """Decode-only steps of a Llama-family model in one native call (``pagellm_decode_layers``).
 
-A decode step runs the same nine kernels per layer; called one by one from Python they cost ~1 ms of
-interpreter time a step whatever the batch (4% of a 41-sequence step of the W1 model, 15-25% of the
-few-sequence steps that end a batch). Where every kernel is the native one (bfloat16 weights, all
+A decode step runs the same nine kernels per layer; called one by one from Python they cost
+interpreter time every step whatever the batch, most felt in the few-sequence steps that end a batch.
+Where every kernel is the native one (bfloat16 weights, all
 linears packed for the native kernel, a bfloat16 KV cache), the C side makes those calls itself, in
 ``DecoderLayer.forward``'s order, and the result is the same bits. Steps with prefills, other
-dtypes and other devices take the layers' own ``forward``.
+dtypes and other devices take the layers' own ``forward``. The native attention backend builds it
+(``step_driver``): the model asks its backend, whichever it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
 from pagellm.kernels import native
-from pagellm.model.attention import AttentionMetadata
+from pagellm.model.attention.metadata import AttentionMetadata
+from pagellm.model.attention.native_backend import DecodeBatch
 from pagellm.model.packed_linear import PackedLinear
 
 
@@ -28,7 +30,8 @@ def _native_linear(layer: Any, gated: bool) -> bool:
 
 
 class NativeDecoder:
-    """The decoder layers of ``model`` over ``kv_caches``, for decode-only steps; build with ``create``."""
+    """The decoder layers of ``model`` over ``kv_caches``, for decode-only steps (the native attention
+    backend's ``StepDriver``); build with ``create``."""
 
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pools = [(k, v) for k, v in kv_caches]
@@ -46,15 +49,16 @@ class NativeDecoder:
         self.layers = (native.DecodeLayer * len(model.layers))()
         for slot, (layer, (k_cache, v_cache)) in zip(self.layers, zip(model.layers, kv_caches)):
             a, mlp = layer.self_attn, layer.mlp
-            slot.input_norm, slot.post_norm = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+            slot.input_norm = layer.input_layernorm.weight.data_ptr()
+            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             slot.qkv, slot.o = a.qkv_proj.packed_weight.data_ptr(), a.o_proj.packed_weight.data_ptr()
             slot.gate_up, slot.down = mlp.gate_up_proj.packed_weight.data_ptr(), mlp.down_proj.packed_weight.data_ptr()
             slot.qkv_bias, slot.o_bias = _pointer(a.qkv_proj.bias), _pointer(a.o_proj.bias)
             slot.gate_up_bias, slot.down_bias = _pointer(mlp.gate_up_proj.bias), _pointer(mlp.down_proj.bias)
             slot.k_pool, slot.v_pool = k_cache.data_ptr(), v_cache.data_ptr()
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self.tensors += [t for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                         *(m.packed_weight for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-                                         *(m.bias for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+                                         *(m.packed_weight for m in linears), *(m.bias for m in linears))
                              if t is not None]
         self.final_norm = model.norm.weight  # the model's last norm runs in the same call
         self.final_eps = float(model.norm.eps)
@@ -72,7 +76,8 @@ class NativeDecoder:
         bf16 = torch.bfloat16
         k0, v0 = kv_caches[0] if kv_caches else (None, None)
         # Device and dtype first: asking for the native kernels would compile them (not for a GPU).
-        if (k0 is None or k0.device.type != "cpu" or k0.dtype != bf16 or len(kv_caches) != len(model.layers)
+        if (k0 is None or v0 is None or k0.device.type != "cpu" or k0.dtype != bf16
+                or len(kv_caches) != len(model.layers)
                 or not native.linear_supported() or not native.supports(k0.device, k0.dtype)):
             return None
         first = model.layers[0]
@@ -93,7 +98,8 @@ class NativeDecoder:
             if not all(_native_linear(m, m is mlp.gate_up_proj) and (m.in_features, m.out_features) == shape
                        for m, shape in zip(linears, shapes)):
                 return None
-            if a.rotary is not rotary or (a.num_heads, a.num_kv_heads, a.head_dim) != (attn.num_heads, attn.num_kv_heads, head_dim):
+            if (a.rotary is not rotary
+                    or (a.num_heads, a.num_kv_heads, a.head_dim) != (attn.num_heads, attn.num_kv_heads, head_dim)):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.weight.dtype != bf16 or not n.weight.is_contiguous() or n.weight.numel() != hidden or n.eps != eps
@@ -107,11 +113,21 @@ class NativeDecoder:
             return None
         return cls(model, kv_caches)
 
+    def accepts(self, meta: AttentionMetadata, x: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether this step is decodes only (on the native decode kernel, as the native backend lays
+        them out), with the inputs ``pagellm_decode_layers`` takes (contiguous bfloat16 rows; int64
+        positions, slots, tables)."""
+        d = meta.decode
+        return (isinstance(d, DecodeBatch) and not meta.prefills and d.num == x.shape[0]
+                and x.dtype == torch.bfloat16 and x.is_contiguous()
+                and all(t.dtype == torch.int64 and t.is_contiguous()
+                        for t in (positions, meta.slot_mapping, d.tables, d.lens)))
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final hidden states (after the model's last norm, as its ``forward`` returns them) for a
-        decode-only step's embeddings ``x`` (rows in the order of ``meta.native_decode``); ``x`` is
-        overwritten and returned."""
-        d = meta.native_decode
+        decode-only step's embeddings ``x`` (rows in the order of ``meta.decode``); ``x`` is
+        overwritten and returned. Check ``accepts`` first."""
+        d = cast(DecodeBatch, meta.decode)
         rows = x.shape[0]
         scratch = native.scratch_enough(d.scratch, self.heads, self.head_dim, self.block_size, d.tables.shape[1])
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -133,11 +149,3 @@ class NativeDecoder:
         del normed, qkv, attention, act, scratch, residual
         return x
 
-
-def decode_only(meta: AttentionMetadata, x: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether this step is decodes only, all on the native decode kernel, with the inputs
-    ``pagellm_decode_layers`` takes (contiguous bfloat16 rows; int64 positions, slots, tables)."""
-    d = meta.native_decode
-    return (d is not None and not meta.prefills and not meta.decode_groups and d.num == x.shape[0]
-            and x.dtype == torch.bfloat16 and x.is_contiguous()
-            and all(t.dtype == torch.int64 and t.is_contiguous() for t in (positions, meta.slot_mapping, d.tables, d.lens)))

@@ -42,6 +42,10 @@ class PackedLinear(nn.Module):
     kernel only): the layer's output is ``[gate | up]`` and the module returns ``silu(gate) * up``,
     ``out_features / 2`` wide."""
 
+    # Buffers (register_buffer in __init__), declared for the type checker.
+    packed_weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
     def __init__(self, linear: nn.Linear, kernel: str = "onednn", gated: bool = False) -> None:
         super().__init__()
         if kernel not in ("native", "onednn"):

@@ -15,7 +15,7 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 def kv_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of one layer's (K, V) pools: per block and KV head, keys transposed (head_dim x block_size)
-    and values token by token (block_size x head_dim); see model/attention.py."""
+    and values token by token (block_size x head_dim); see pagellm/model/attention/__init__.py."""
     return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
 
 

@@ -1,19 +1,53 @@
-"""SchedulerOutput -> one flat batch -> model -> sampled tokens (and prompt logprobs)."""
+"""SchedulerOutput -> one flat batch -> model -> sampled tokens (and prompt logprobs).
+
+A step reads top to bottom in ``execute``: move blocks, ``prepare`` the batch (``prepare_decode``,
+``prepare_prefill``, ``prepare_sample``, ``prepare_logits_rows``), ``run_model``, ``sample``. The
+attention backend is chosen once, here, and handed to the model.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from pagellm.core.sequence import Sequence
-from pagellm.kernels import native
-from pagellm.model.attention import (AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan, cascade_runs,
-                                     choose_output_rows, decode_group)
+from pagellm.model.attention import (AttentionConfig, AttentionMetadata, DecodeMetadata, PrefillSpan, cascade_runs,
+                                     choose_output_rows, select_attention_backend)
+from pagellm.model.attention.metadata import long_tensor
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingMetadata:
+    """Which rows of the flat batch the LM head reads: the sampled ones, then those scoring a prompt token."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # [num_samples] sequences that sample a token
+    rows: list[int] = field(default_factory=list)  # [num_samples] flat row of each one's last token
+    lp_rows: list[int] = field(default_factory=list)  # [num_scored] flat rows whose logits score a prompt token
+    lp_targets: list[int] = field(default_factory=list)  # [num_scored] the prompt token each scores
+    # Each scoring sequence's share of lp_rows, in order: (its scheduled chunk, number of rows).
+    lp_owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
+
+
+@dataclass
+class StepBatch:
+    """One step's flat batch: every scheduled token of every sequence, the decodes' (one each) first,
+    then each prefill's run."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata  # slot_mapping [num_tokens], the decodes' tables and lengths, prefill spans
+    sampling: SamplingMetadata
+    # [num_samples + num_scored] int64: the model's output rows the LM head reads, in SamplingMetadata's
+    # order; None: every output row, in order (a decode-only step: no gather)
+    logits_rows: Optional[torch.Tensor]
 
 
 class ModelRunner:
@@ -30,140 +64,149 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = cache_engine.block_size
-        _, self.num_kv_heads, _, self.head_dim = cache_engine.kv_caches[0][1].shape  # from the value pool
-        self.num_heads = model.config.num_attention_heads
         self.sliding_window = sliding_window
-        self.native_decode = native.supports(device, cache_engine.kv_caches[0][1].dtype)
-        self.native_prefill = native.prefill_supported(cache_engine.kv_caches[0][0])
-        # Decodes sharing their first blocks read them once (no sliding window: the shared blocks may
-        # lie before it).
-        self.cascade = native.cascade_supported(cache_engine.kv_caches[0][0]) and not sliding_window
-
-    def _tensor(self, data: list[int]) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
-
-    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
-        """Block tables as rows of one int64 tensor, padded with block 0 (read only up to each length).
-        Filled row by row through numpy: ~2x faster than torch.tensor on nested lists, every step."""
-        rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
-        for row, table in zip(rows, tables):
-            row[: len(table)] = table
-        return torch.from_numpy(rows).to(self.device)
-
-    # A decode group is cut where a sequence's blocks fall below this share of the group's longest:
-    # padding then wastes at most 1 - share of the gathered K/V.
-    GROUP_SHARE = 0.75
-
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes (sorted longest first) into groups of similar length, each padded to its longest."""
-        groups = []
-        start = 0
-        while start < len(tables):
-            width = len(tables[start])
-            end = start + 1
-            while end < len(tables) and len(tables[end]) >= self.GROUP_SHARE * width:
-                end += 1
-            groups.append(decode_group(start, self._padded(tables[start:end]), self._tensor(lens[start:end]),
-                                       self.block_size, self.num_kv_heads, self.head_dim, self.num_heads,
-                                       self.sliding_window))
-            start = end
-        return groups
-
-    def _decode_batch(self, tables: list[list[int]], lens: list[int]) -> DecodeBatch:
-        """All decodes for the native kernel, tables padded with block 0 (read only up to each length);
-        decodes sharing leading blocks (adjacent: see ``execute``) attend those once (cascade)."""
-        padded = self._padded(tables)
-        runs = cascade_runs(tables) if self.cascade else []
-        return DecodeBatch(padded, self._tensor(lens),
-                           native.scratch_for(self.num_heads, self.head_dim, self.block_size, padded.shape[1]),
-                           torch.tensor(runs, dtype=torch.long) if runs else None)
+        v_cache = cache_engine.kv_caches[0][1]
+        _, num_kv_heads, _, head_dim = v_cache.shape
+        self.attn_backend = select_attention_backend(AttentionConfig(
+            device, v_cache.dtype, model.config.num_attention_heads, num_kv_heads, head_dim, self.block_size,
+            sliding_window))
+        model.set_attention_backend(self.attn_backend)
+        logger.info("attention: %s", self.attn_backend.describe())
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self.sampler.forget(sched.finished_seq_ids)
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(scheduler_output.finished_seq_ids)
+        self.move_blocks(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        batch = self.prepare(scheduler_output.scheduled)
+        logits = self.run_model(batch)
+        return self.sample(batch.sampling, logits)
+
+    def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
-        self.cache_engine.swap_out(sched.blocks_to_swap_out)
-        self.cache_engine.swap_in(sched.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(sched.blocks_to_copy)
-        result = ModelRunnerOutput()
-        if not sched.scheduled:
-            return result
+        self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)
+        self.cache_engine.swap_in(scheduler_output.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(scheduler_output.blocks_to_copy)
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        """The step's scheduled tokens as one flat batch, with what attention and sampling read."""
+        items = self.batch_order(scheduled)
+        num_decodes = sum(1 for it in items if it.num_new_tokens == 1)  # (first: see batch_order)
+        input_ids, positions, slots = self.prepare_tokens(items)
+        slot_mapping = long_tensor(slots, self.device)
+        attn = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
+                                 slot_offsets=slot_mapping % self.block_size, sliding_window=self.sliding_window)
+        if num_decodes:
+            attn.decode = self.prepare_decode(items[:num_decodes])
+        attn.prefills = self.prepare_prefill(items[num_decodes:], num_decodes)
+        sampling = self.prepare_sample(items)
+        logits_rows = self.prepare_logits_rows(attn, len(input_ids), sampling)
+        return StepBatch(long_tensor(input_ids, self.device), long_tensor(positions, self.device), attn, sampling,
+                         logits_rows)
+
+    def batch_order(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Decodes first. Where the backend reads shared leading blocks once (cascade), those sharing
+        their first block next to each other; else longest context first: decodes of similar length
+        are contiguous runs."""
+        if self.attn_backend.cascade:
+            return sorted(scheduled, key=lambda it: (it.num_new_tokens != 1, it.block_table[:1], -it.start))
+        return sorted(scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
+
+    def prepare_tokens(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+        """Every new token of the step, in batch order: its id, position and slot."""
         bs = self.block_size
-        # Decodes first. For the native kernel, those sharing their first block next to each other (a
-        # cascade shares their leading blocks); else longest context first: groups of similar length
-        # are contiguous runs.
-        if self.cascade:
-            items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, it.block_table[:1], -it.start))
-        else:
-            items = sorted(sched.scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
-        sample_rows: list[int] = []  # flat index of each sampled sequence's last token
-        sample_seqs: list[Sequence] = []
-        lp_rows: list[int] = []  # flat indices whose logits score a prompt token
-        lp_targets: list[int] = []
-        lp_owner: list[tuple[ScheduledSeq, int]] = []
         for it in items:
-            seq, start, n = it.seq, it.start, it.num_new_tokens
-            q_start = len(input_ids)
-            input_ids.extend(seq.token_slice(start, start + n))
+            start, n, table = it.start, it.num_new_tokens, it.block_table
+            input_ids.extend(it.seq.token_slice(start, start + n))
             pos = range(start, start + n)
             positions.extend(pos)
-            table = it.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table)))
+        return input_ids, positions, slots
+
+    def prepare_decode(self, decodes: list[ScheduledSeq]) -> DecodeMetadata:
+        """The decodes (rows ``[0, len(decodes))``) as the backend attends them, runs of them sharing
+        their first blocks found where it reads those once."""
+        tables = [it.block_table for it in decodes]
+        runs = cascade_runs(tables) if self.attn_backend.cascade else []
+        return self.attn_backend.prepare_decode(tables, [it.start + 1 for it in decodes], runs)
+
+    def prepare_prefill(self, prefills: list[ScheduledSeq], first_row: int) -> list[PrefillSpan]:
+        """Each prefill (chunk) as its run of rows from ``first_row`` on, with its context and blocks."""
+        spans = []
+        q_start = first_row
+        for it in prefills:
+            n = it.num_new_tokens
+            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(it.block_table, self.device)))
+            q_start += n
+        return spans
+
+    def prepare_sample(self, items: list[ScheduledSeq]) -> SamplingMetadata:
+        """The rows each sampling sequence reads (its chunk's last), and those scoring prompt tokens."""
+        sampling = SamplingMetadata()
+        q_start = 0
+        for it in items:
+            seq, start, n = it.seq, it.start, it.num_new_tokens
             if it.sample:
                 # Forked children sample their own first token from the parent's logits.
                 for s in (seq, *it.fork_children):
-                    sample_rows.append(q_start + n - 1)
-                    sample_seqs.append(s)
+                    sampling.rows.append(q_start + n - 1)
+                    sampling.seqs.append(s)
             if it.prompt_logprobs_range is not None:
                 lo, hi = it.prompt_logprobs_range
-                lp_rows.extend(q_start + p - start for p in range(lo, hi))
-                lp_targets.extend(seq.prompt_token_ids[p + 1] for p in range(lo, hi))
-                lp_owner.append((it, hi - lo))
+                sampling.lp_rows.extend(q_start + p - start for p in range(lo, hi))
+                sampling.lp_targets.extend(seq.prompt_token_ids[p + 1] for p in range(lo, hi))
+                sampling.lp_owners.append((it, hi - lo))
+            q_start += n
+        return sampling
 
-        slot_mapping = self._tensor(slots)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs, slot_offsets=slot_mapping % bs,
-                                 prefills=prefills, sliding_window=self.sliding_window,
-                                 native_prefill=self.native_prefill)
-        if decode_tables and self.native_decode:
-            meta.native_decode = self._decode_batch(decode_tables, decode_lens)
-        else:
-            meta.decode_groups = self._decode_groups(decode_tables, decode_lens)
+    def prepare_logits_rows(self, attn: AttentionMetadata, num_tokens: int,
+                            sampling: SamplingMetadata) -> Optional[torch.Tensor]:
+        """The LM head runs only on the rows that are sampled or scored, and the last layer (but for its
+        K/V) on the rows those need (``attn.output_rows``, set here)."""
+        rows = sampling.rows + sampling.lp_rows
+        num_out = num_tokens
+        if attn.prefills:
+            attn.output_rows = choose_output_rows(attn, num_tokens, attn.num_decodes, rows)
+        if attn.output_rows is not None:
+            rows = attn.output_rows.positions(rows)
+            num_out = len(attn.output_rows.rows)
+        return None if rows == list(range(num_out)) else long_tensor(rows, self.device)
 
-        # The LM head runs only on the rows that are sampled or scored, and the last layer (but for
-        # its K/V) on the rows those need.
-        rows = sample_rows + lp_rows
-        if prefills:
-            meta.output_rows = choose_output_rows(meta, len(input_ids), len(decode_tables), rows)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.cache_engine.kv_caches, meta)
-        if meta.output_rows is not None:
-            rows = meta.output_rows.positions(rows)
-        # (A decode-only step samples every row once, in order: no gather.)
-        logits = self.model.compute_logits(hidden if rows == list(range(hidden.shape[0])) else hidden[self._tensor(rows)])
-        if sample_seqs:
-            for s, res in zip(sample_seqs, self.sampler(logits[: len(sample_seqs)], sample_seqs)):
+    # ---------------------------------------------------------------- run and sample
+    def run_model(self, batch: StepBatch) -> torch.Tensor:
+        """[num_samples + num_scored, vocab] float32 logits."""
+        hidden = self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+        if batch.logits_rows is not None:
+            hidden = hidden[batch.logits_rows]
+        return self.model.compute_logits(hidden)
+
+    def sample(self, sampling: SamplingMetadata, logits: torch.Tensor) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        num = len(sampling.seqs)
+        if num:
+            for s, res in zip(sampling.seqs, self.sampler(logits[:num], sampling.seqs)):
                 result.samples[s.seq_id] = res
-        if lp_rows:
-            lp = torch.log_softmax(logits[len(sample_seqs):], dim=-1)
-            num = max(it.seq.params.prompt_logprobs or 0 for it, _ in lp_owner)
-            entries = top_logprobs(lp, num, self._tensor(lp_targets))
-            offset = 0
-            for it, count in lp_owner:
-                n_i = it.seq.params.prompt_logprobs or 0
-                chunk = entries[offset : offset + count]
-                targets = lp_targets[offset : offset + count]
-                result.prompt_logprobs[it.seq.seq_id] = [
-                    {t: v for t, v in e.items() if v[1] <= n_i or t == tgt} for e, tgt in zip(chunk, targets)
-                ]
-                offset += count
+        if sampling.lp_rows:
+            result.prompt_logprobs = self.prompt_logprobs(sampling, logits[num:])
         return result
+
+    def prompt_logprobs(self, sampling: SamplingMetadata, logits: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        """seq_id -> the logprobs of its scored prompt tokens (each sequence's own top-k, and the token)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        num = max(it.seq.params.prompt_logprobs or 0 for it, _ in sampling.lp_owners)
+        entries = top_logprobs(lp, num, long_tensor(sampling.lp_targets, self.device))
+        out = {}
+        offset = 0
+        for it, count in sampling.lp_owners:
+            n_i = it.seq.params.prompt_logprobs or 0
+            chunk = entries[offset : offset + count]
+            targets = sampling.lp_targets[offset : offset + count]
+            out[it.seq.seq_id] = [{t: v for t, v in e.items() if v[1] <= n_i or t == tgt}
+                                  for e, tgt in zip(chunk, targets)]
+            offset += count
+        return out

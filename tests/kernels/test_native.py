@@ -233,7 +233,7 @@ def test_no_compiler_falls_back_to_pytorch(llama_path, monkeypatch, tmp_path, ca
     prompts = ["the quick brown fox", "paged attention"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(str(llama_path), dtype="float32")
-    assert llm.llm_engine.model_runner.native_decode == (native.load() is not None)
+    assert (llm.llm_engine.model_runner.attn_backend.name == "native") == (native.load() is not None)
     with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
@@ -243,7 +243,7 @@ def test_no_compiler_falls_back_to_pytorch(llama_path, monkeypatch, tmp_path, ca
         with caplog.at_level(logging.WARNING, logger="pagellm.kernels.native"):
             llm = LLM(str(llama_path), dtype="float32")
         assert native.load() is None
-        assert not llm.llm_engine.model_runner.native_decode
+        assert llm.llm_engine.model_runner.attn_backend.name != "native"
         assert "could not be built" in caplog.text
         without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:

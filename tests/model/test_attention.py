@@ -1,4 +1,4 @@
-"""Paged attention against dense attention over the same keys and values.
+"""Paged attention against dense attention over the same keys and values, for each backend.
 
 Each case caches some history per sequence (written through ``write_kv`` at scattered blocks),
 then runs one step with decodes (one new token) and prefills (fresh, or a chunk after cached
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagellm.model.attention import (
-    BAG_MIN_BLOCK_SIZE, AttentionMetadata, PrefillSpan, cascade_runs, choose_output_rows, decode_group,
-    paged_attention, write_kv,
+    BAG_MIN_BLOCK_SIZE, BACKENDS, AttentionConfig, AttentionMetadata, DecodeGroups, NativeAttentionBackend,
+    PrefillSpan, TorchAttentionBackend, cascade_runs, choose_output_rows, select_attention_backend, write_kv,
 )
 from pagellm.kernels import native
 from pagellm.worker.cache_engine import kv_shapes
@@ -42,9 +42,14 @@ def _reference(q, keys, values, q_positions, window, scale):
 @pytest.mark.parametrize("block_size", [1, 3, 8, 16])  # 1 and 3 gather keys, 8 and 16 score them in place
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
+@pytest.mark.parametrize("backend_class", BACKENDS, ids=lambda b: b.name)
+def test_paged_attention_matches_dense(block_size, heads, kv_heads, window, backend_class):
     torch.manual_seed(0)
     d, num_blocks = 8, 64
+    config = AttentionConfig(torch.device("cpu"), torch.float32, heads, kv_heads, d, block_size, window)
+    if backend_class.unsupported(config) is not None:
+        pytest.skip(backend_class.unsupported(config))
+    backend = backend_class(config)
     k_cache, v_cache = (torch.zeros(s) for s in kv_shapes(num_blocks, block_size, kv_heads, d))
     free = torch.randperm(num_blocks).tolist()  # scattered blocks, as a real pool hands them out
     # (cached tokens before this step, new tokens this step): three decodes of unlike lengths
@@ -58,7 +63,7 @@ def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
         k = torch.randn(total, kv_heads, d)
         v = torch.randn(total, kv_heads, d)
         if cached:
-            write_kv(k[:cached], v[:cached], k_cache, v_cache, _meta(slots[:cached], block_size))
+            backend.write_kv(k[:cached], v[:cached], k_cache, v_cache, _meta(slots[:cached], block_size))
         seqs.append((cached, new, table, slots, k, v))
 
     scale = d**-0.5
@@ -74,16 +79,46 @@ def test_paged_attention_matches_dense(block_size, heads, kv_heads, window):
         expected.append(_reference(q, k, v, list(range(cached, cached + new)), window, scale))
     meta = _meta(step_slots, block_size, window)
     meta.prefills = prefills
-    # Decodes are rows 0..2, sorted longest first; group them as [20, 17] and [4].
-    for start, idx in ((0, [0, 1]), (2, [2])):
-        width = max(len(seqs[i][2]) for i in idx)
-        tables = torch.tensor([seqs[i][2] + [0] * (width - len(seqs[i][2])) for i in idx])
-        lens = torch.tensor([seqs[i][0] + 1 for i in idx])
-        meta.decode_groups.append(decode_group(start, tables, lens, block_size, kv_heads, d, heads, window))
-
-    assert all((g.key_rows is None) == (block_size < BAG_MIN_BLOCK_SIZE) for g in meta.decode_groups)
-    out = paged_attention(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, scale)
+    # Decodes are rows 0..2, sorted longest first.
+    meta.decode = backend.prepare_decode([seqs[i][2] for i in range(3)], [seqs[i][0] + 1 for i in range(3)], [])
+    assert meta.num_decodes == 3
+    if isinstance(meta.decode, DecodeGroups):  # two groups: [20, 17] and [4]
+        assert [(g.start, g.num) for g in meta.decode.groups] == [(0, 2), (2, 1)]
+        assert all((g.key_rows is None) == (block_size < BAG_MIN_BLOCK_SIZE) for g in meta.decode.groups)
+    out = backend.forward(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, scale)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_the_backend_is_chosen_from_device_dtype_and_kernels(monkeypatch):
+    """The native kernels take float32 and bfloat16 CPU pools; everything else is PyTorch's."""
+    def chosen(dtype, block_size=16, head_dim=64, window=None):
+        config = AttentionConfig(torch.device("cpu"), dtype, 4, 2, head_dim, block_size, window)
+        return select_attention_backend(config)
+
+    assert type(chosen(torch.float16)) is TorchAttentionBackend
+    assert NativeAttentionBackend.unsupported(
+        AttentionConfig(torch.device("meta"), torch.float32, 4, 2, 64, 16)) is not None
+    if native.load() is not None:
+        backend = chosen(torch.float32)
+        assert type(backend) is NativeAttentionBackend and backend.native_prefill and not backend.cascade
+        assert not chosen(torch.float32, block_size=8).native_prefill  # (the prefill kernel's shapes)
+        assert not chosen(torch.float32, head_dim=32).native_prefill
+        # Shared-prefix decode needs the bfloat16 dot products, and no window.
+        assert not chosen(torch.bfloat16, window=64).cascade
+        bf16_pool = torch.empty(0, 2, 64, 16, dtype=torch.bfloat16)
+        assert chosen(torch.bfloat16).cascade == native.cascade_supported(bf16_pool)
+    monkeypatch.setattr(native, "load", lambda: None)  # no kernels (no compiler, or turned off)
+    assert type(chosen(torch.float32)) is TorchAttentionBackend
+
+
+def test_the_native_backend_raises_where_its_kernel_does_not_write(monkeypatch):
+    if native.load() is None:
+        pytest.skip("no C compiler on this machine")
+    backend = NativeAttentionBackend(AttentionConfig(torch.device("cpu"), torch.float32, 2, 2, 4, 4))
+    k_cache, v_cache = (torch.zeros(s) for s in kv_shapes(8, 4, 2, 4))
+    k = torch.randn(3, 2, 4, dtype=torch.float64)  # not the pools' dtype
+    with pytest.raises(ValueError, match="native write_kv does not take"):
+        backend.write_kv(k, k, k_cache, v_cache, _meta([0, 1, 2], 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,7 +37,9 @@ def _assert_native_equals_layers(path: Path, lengths: list[int], monkeypatch, bl
     calls = _count_native_steps(monkeypatch)
     fused = llm.generate(prompts, params, use_tqdm=False)
     assert calls and max(calls) == len(prompts)
-    llm.llm_engine.model.use_native_decoder = False
+    model = llm.llm_engine.model  # now without the driver: the layers one by one
+    monkeypatch.setattr(model.attn_backend, "step_driver", lambda model, kv_caches: None)
+    model.set_attention_backend(model.attn_backend)  # (forgets the driver it built)
     layered = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fused, layered):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -72,9 +74,10 @@ def test_sliding_window_is_applied(tmp_path, monkeypatch):
 def test_float32_models_keep_the_layers(llama_path, monkeypatch):
     calls = _count_native_steps(monkeypatch)
     llm = LLM(str(llama_path), dtype="float32", max_model_len=128, num_kv_blocks=64)
-    out = llm.generate(random_prompts([7], vocab=500, seed=5), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    out = llm.generate(random_prompts([7], vocab=500, seed=5), SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
-    assert not calls and llm.llm_engine.model._decoder is None
+    assert not calls and llm.llm_engine.model._driver is None
 
 
 @needs_native
@@ -85,8 +88,8 @@ def test_moving_the_model_drops_the_decoder(llama_path):
     prompt = random_prompts([9], vocab=500, seed=7)
     first = llm.generate(prompt, params, use_tqdm=False)
     model = llm.llm_engine.model
-    assert model._decoder is not None
+    assert model._driver is not None
     model.to("cpu")
-    assert model._decoder is None
+    assert model._driver is None
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first[0].outputs[0].token_ids
-    assert model._decoder is not None
+    assert model._driver is not None

@@ -22,7 +22,8 @@ def _assert_same_to_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     assert bool(((got.float() - want.float()).abs() <= scale * 2.0**-7 + 1e-3).all())
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn),
+                                    pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(1,), (7,), (3, 5)])
 def test_packed_linear_equals_nn_linear(kernel, bias, lead):
@@ -37,7 +38,8 @@ def test_packed_linear_equals_nn_linear(kernel, bias, lead):
         _assert_same_to_rounding(got, want)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn),
+                                    pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
 def test_float32_output_is_the_layer_output_widened(kernel, lead):
     torch.manual_seed(0)
@@ -49,7 +51,8 @@ def test_float32_output_is_the_layer_output_widened(kernel, lead):
         assert torch.equal(logits, layer(x).float())
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn), pytest.param("native", marks=needs_native)])
+@pytest.mark.parametrize("kernel", [pytest.param("onednn", marks=needs_onednn),
+                                    pytest.param("native", marks=needs_native)])
 def test_inputs_of_the_wrong_width_are_refused(kernel):
     layer = PackedLinear(nn.Linear(64, 80).to(torch.bfloat16), kernel)
     with pytest.raises(ValueError, match="input of 63 features to a linear layer of 64"):

@@ -8,10 +8,9 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
 from tests.conftest import CHECKPOINTS
-
-PARITY_CHECKPOINTS = [name for name in CHECKPOINTS if name != "llama-long"]
 from tests.helpers import assert_all_blocks_free, hf_greedy, hf_prompt_logprobs, random_prompts
 
+PARITY_CHECKPOINTS = [name for name in CHECKPOINTS if name != "llama-long"]
 NEW_TOKENS = 32
 # Different lengths around block boundaries (1, 16 and 128 are the block sizes tested).
 PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 127, 130]

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
+
 import pagellm.worker.model_runner as model_runner
 from pagellm import LLM, SamplingParams
+from pagellm.core.scheduler import ScheduledSeq
 from pagellm.kernels import native
+from pagellm.model.attention import DecodeBatch
+from pagellm.worker.cache_engine import CacheEngine
 from tests.helpers import assert_all_blocks_free, random_prompts
 
 
@@ -35,8 +42,8 @@ def test_last_layer_on_the_used_rows_gives_the_same_outputs(checkpoints, name, d
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0),
     ]
     # A 64-token budget: prompts in chunks, chunks next to decodes.
-    llm = LLM(str(checkpoints[name]), dtype=dtype, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=64,
-              enable_prefix_caching=False)
+    llm = LLM(str(checkpoints[name]), dtype=dtype, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64,
+              max_num_seqs=64, enable_prefix_caching=False)
     computed, total = [], []
     chosen = model_runner.choose_output_rows
 
@@ -73,3 +80,48 @@ def test_last_layer_on_the_used_rows_gives_the_same_outputs(checkpoints, name, d
             if a is not None:
                 assert a.keys() == b.keys()
                 assert all(a[t].logprob == pytest.approx(b[t].logprob, **tol) for t in a)
+
+
+class _Seq:
+    """What the runner reads of a sequence: its tokens (all prompt here) and its id."""
+
+    def __init__(self, seq_id: int, prompt: list[int]) -> None:
+        self.seq_id, self.prompt_token_ids = seq_id, prompt
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.prompt_token_ids[start:end]
+
+
+def test_prepare_builds_one_flat_batch_decodes_first():
+    """Decodes first (longest context first), then each prefill chunk; slots from the block tables;
+    the sampled rows (a fork samples its parent's row), the scored prompt rows, and the last layer's
+    rows (every decode, each prefill from its first used row; a chunk that samples nothing: none)."""
+    cache = CacheEngine(1, 16, 4, 2, 8, torch.float32, torch.device("cpu"))
+    model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=4), set_attention_backend=lambda b: None)
+    runner = model_runner.ModelRunner(model, cache, sampler=None, device=torch.device("cpu"))
+    tokens = list(range(100, 120))
+    prompt, decode, forked, chunk, child = (_Seq(i, tokens) for i in range(5))
+    scheduled = [
+        ScheduledSeq(prompt, 0, 5, [3, 4], sample=True, prompt_logprobs_range=(1, 4)),
+        ScheduledSeq(decode, 6, 1, [7, 8], sample=True),
+        ScheduledSeq(chunk, 4, 3, [9, 10], sample=False),
+        ScheduledSeq(forked, 9, 1, [1, 2, 5], sample=True, fork_children=[child]),
+    ]
+    batch = runner.prepare(scheduled)
+    assert batch.positions.tolist() == [9, 6, 4, 5, 6, 0, 1, 2, 3, 4]
+    assert batch.input_ids.tolist() == [tokens[p] for p in batch.positions.tolist()]
+    assert batch.attn.slot_mapping.tolist() == [21, 34, 40, 41, 42, 12, 13, 14, 15, 16]
+    assert batch.attn.slot_offsets.tolist() == [p % 4 for p in batch.attn.slot_mapping.tolist()]
+    assert [(s.q_start, s.q_len, s.context_len, s.block_table.tolist()) for s in batch.attn.prefills] == [
+        (2, 3, 7, [9, 10]), (5, 5, 5, [3, 4])]
+    decodes = batch.attn.decode
+    assert batch.attn.num_decodes == 2
+    if isinstance(decodes, DecodeBatch):
+        assert decodes.tables.tolist() == [[1, 2, 5], [7, 8, 0]] and decodes.lens.tolist() == [10, 7]
+    else:  # two groups: 2 blocks are under GROUP_SHARE of 3
+        assert [(g.start, g.num, g.tables.tolist()) for g in decodes.groups] == [(0, 1, [[1, 2, 5]]), (1, 1, [[7, 8]])]
+    s = batch.sampling
+    assert [q.seq_id for q in s.seqs] == [2, 4, 1, 0] and s.rows == [0, 0, 1, 9]
+    assert s.lp_rows == [6, 7, 8] and s.lp_targets == tokens[2:5] and s.lp_owners == [(scheduled[0], 3)]
+    assert batch.attn.output_rows.rows == [0, 1, 6, 7, 8, 9]
+    assert batch.logits_rows.tolist() == [0, 0, 1, 5, 2, 3, 4]
