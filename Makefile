@@ -7,18 +7,19 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: install install-peers test test-peers lint check-plain-install serve generate clean
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the tested versions of every dependency, so that CI installs what the suite passed on.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 
 # The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LiteLLM).
 $(VENV)/.peers-installed: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[test,peers]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,peers]"
 	touch $@
 
 install-peers: $(VENV)/.peers-installed

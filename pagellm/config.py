@@ -7,7 +7,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 _UNITS = {
     "": 1, "b": 1,
@@ -16,7 +16,7 @@ _UNITS = {
 }
 
 
-def parse_memory(value: Union[int, float, str]) -> int:
+def parse_memory(value: int | float | str) -> int:
     """Bytes from an int or a string like ``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1e9"``."""
     if isinstance(value, bool):
         raise ValueError(f"memory size must be a number of bytes or a string like '2GiB', got {value!r}")
@@ -79,39 +79,39 @@ def _flag(help: str, *aliases: str, **kw: Any) -> Any:
 class EngineArgs:
     """Engine settings. Field names are vLLM's; each becomes ``--field-name`` on the CLI."""
 
-    model: Optional[str] = field(default=None, metadata=_flag(
+    model: str | None = field(default=None, metadata=_flag(
         "Hugging Face model folder (config.json + *.safetensors); none: the embedded tiny default"))
-    tokenizer: Optional[str] = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
+    tokenizer: str | None = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
         "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16 "
         "(half and float are aliases)", choices=DTYPE_CHOICES))
     device: str = field(default="auto", metadata=_flag("auto, cpu or cuda[:N]"))
     seed: int = field(default=0, metadata=_flag("seed for random weights and unseeded sampling"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block, 1 to 256"))
-    max_model_len: Optional[int] = field(default=None, metadata=_flag(
+    max_model_len: int | None = field(default=None, metadata=_flag(
         "longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings",
         "--max-seq-len"))
-    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_flag(
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
         "token budget of one engine step (default 2048, or max_model_len without chunked prefill)"))
     max_num_seqs: int = field(default=256, metadata=_flag("most sequences running at once"))
-    kv_cache_memory: Optional[str] = field(default=None, metadata=_flag(
+    kv_cache_memory: str | None = field(default=None, metadata=_flag(
         "bytes for the KV cache, e.g. '2GiB' (default: 2GiB on CPU, 90%% of free memory on CUDA)"))
-    num_kv_blocks: Optional[int] = field(default=None, metadata=_flag(
+    num_kv_blocks: int | None = field(default=None, metadata=_flag(
         "number of KV blocks; overrides --kv-cache-memory"))
     load_format: str = field(default="auto", metadata=_flag(
         "auto/safetensors: the folder's weights; dummy: random weights from config.json alone",
         choices=("auto", "safetensors", "dummy")))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts over several steps so running requests keep decoding"))
-    prefill_chunk_size: Optional[int] = field(default=None, metadata=_flag(
+    prefill_chunk_size: int | None = field(default=None, metadata=_flag(
         "largest prefill chunk of one prompt per step (default: the whole token budget)"))
     scheduling_policy: str = field(default="fcfs", metadata=_flag(
         "fcfs (arrival order), priority (per-request priority, lower first; may preempt less urgent "
         "requests) or sla (earliest TTFT deadline first)", "--scheduler-policy",
         choices=("fcfs", "priority", "sla")))
-    default_ttft_slo: Optional[float] = field(default=None, metadata=_flag(
+    default_ttft_slo: float | None = field(default=None, metadata=_flag(
         "time-to-first-token target in seconds for requests that give none (sla policy)"))
-    default_tpot_slo: Optional[float] = field(default=None, metadata=_flag(
+    default_tpot_slo: float | None = field(default=None, metadata=_flag(
         "time-per-output-token target in seconds for requests that give none (sla policy)"))
     swap_space: float = field(default=4.0, metadata=_flag(
         "GiB of host memory for the swap pool that preempted requests move to"))
@@ -120,19 +120,19 @@ class EngineArgs:
         choices=("auto", "swap", "recompute")))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "share the KV blocks of common prompt prefixes between requests"))
-    preload_prompts: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
+    preload_prompts: str | list[str] | None = field(default=None, metadata=_flag(
         "prompts whose KV is computed at start-up and pinned (a JSON list or one prompt per line)",
         metavar="FILE"))
     generation_config: str = field(default="auto", metadata=_flag(
         "auto: the model folder's generation_config.json sets the default temperature, top_p, top_k, min_p, "
         "repetition_penalty and max_tokens of requests that leave them unset; vllm: ignore the file; or the "
         "folder of another generation_config.json"))
-    served_model_name: Optional[Union[str, list[str]]] = field(default=None, metadata=_flag(
+    served_model_name: str | list[str] | None = field(default=None, metadata=_flag(
         "the model's name(s) in the API: the first is the one reported, every one is accepted "
         "(default: the model path)", nargs="+"))
     # vLLM's arguments that scripts pass without thinking: accepted, with a clear error for a value
     # pagellm cannot honour.
-    gpu_memory_utilization: Optional[float] = field(default=None, metadata=_flag(
+    gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
         "share of the memory available after loading the model (on a CPU: of the host's) given to the KV "
         "cache, in (0, 1]; --kv-cache-memory and --num-kv-blocks take precedence (default: 2GiB on CPU, 0.9 "
         "of free memory on CUDA)"))
@@ -141,7 +141,7 @@ class EngineArgs:
     pipeline_parallel_size: int = field(default=1, metadata=_flag("pipeline stages; only 1", "-pp"))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "dtype of the KV cache; only auto (the model's --dtype)"))
-    quantization: Optional[str] = field(default=None, metadata=_flag(
+    quantization: str | None = field(default=None, metadata=_flag(
         "weight quantization method; none is supported yet (default: none, the checkpoint's weights)", "-q"))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "accepted for vLLM scripts: pagellm always runs eagerly (no CUDA graphs)"))
@@ -260,7 +260,7 @@ class EngineArgs:
         return budget
 
     @property
-    def served_model_names(self) -> Optional[list[str]]:
+    def served_model_names(self) -> list[str] | None:
         """``served_model_name`` as a list (None: name the model by its path)."""
         names = self.served_model_name
         return [names] if isinstance(names, str) else names
@@ -289,11 +289,11 @@ class EngineArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Build from keyword arguments, naming unknown ones (a typo must not pass silently).
 
         vLLM's arguments without a counterpart here (``VLLM_ONLY_ARGS``) are accepted at a value that

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from pagellm.config import SEED_RANGE
 
@@ -42,7 +41,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    best_of: Optional[int] = None
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -50,18 +49,18 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logit_bias: Optional[dict[int, float]] = None
+    logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by validation: the normalised forms the engine uses.
@@ -97,7 +96,7 @@ class SamplingParams:
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop_strings), default=0)
 
-    def clone(self, **changes: object) -> "SamplingParams":
+    def clone(self, **changes: object) -> SamplingParams:
         fields = {k: getattr(self, k) for k, f in self.__dataclass_fields__.items() if f.init}
         fields.update(changes)
         return SamplingParams(**fields)  # type: ignore[arg-type]
@@ -145,11 +144,9 @@ class SamplingParams:
             total = sum(len(s) for s in stops)
             if total > MAX_STOP_CHARS:
                 raise ValueError(f"stop must have at most {MAX_STOP_CHARS} characters in all, got {total}")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids
-            ):
-                raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)):
+            raise bad("stop_token_ids", ids, "a list of non-negative token ids")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -158,8 +155,7 @@ class SamplingParams:
             raise bad("stop", self.stop, "None when detokenize=False (stop strings are matched in the text)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or not all(
-                _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()
-            ):
-                raise bad("logit_bias", self.logit_bias, "a dict of token id (>= 0) -> bias in [-100, 100]")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or not all(
+                _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
+            raise bad("logit_bias", bias, "a dict of token id (>= 0) -> bias in [-100, 100]")

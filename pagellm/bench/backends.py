@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ class BackendResult:
     prompt_tokens: int
     output_tokens: int
     detail: dict[str, Any] = field(default_factory=dict)
-    skipped: Optional[str] = None  # why the backend did not run
+    skipped: str | None = None  # why the backend did not run
     steps: list[StepRecord] = field(default_factory=list, repr=False)  # pagellm's steps (StepLog)
 
     @property

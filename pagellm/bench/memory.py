@@ -10,7 +10,12 @@ from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, write_json
 from pagellm.bench.roofline import model_cost
 from pagellm.bench.throughput import (
-    add_common_args, build_workload, engine_kwargs, longest_request, plot_kv_usage, prepare,
+    add_common_args,
+    build_workload,
+    engine_kwargs,
+    longest_request,
+    plot_kv_usage,
+    prepare,
 )
 
 

@@ -7,7 +7,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -76,7 +76,7 @@ def progress(backend: str, total: int, unit: str = "req") -> Any:
     return tqdm(total=total, desc=f"{backend:>12}", unit=unit, dynamic_ncols=True, leave=True)
 
 
-def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Optional[Path]:
+def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str) -> Path | None:
     plt = _pyplot()
     if plt is None:
         return None
@@ -93,7 +93,7 @@ def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, ti
 
 
 def line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str,
-              title: str, log_x: bool = False) -> Optional[Path]:
+              title: str, log_x: bool = False) -> Path | None:
     plt = _pyplot()
     if plt is None:
         return None
@@ -113,5 +113,5 @@ def line_plot(path: Path, series: dict[str, tuple[list[float], list[float]]], xl
     return path
 
 
-def ratio(a: float, b: Optional[float]) -> Optional[float]:
+def ratio(a: float, b: float | None) -> float | None:
     return a / b if b else None

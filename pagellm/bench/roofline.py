@@ -26,7 +26,7 @@ class MachineLimits:
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
-    def best(self, other: "MachineLimits") -> "MachineLimits":
+    def best(self, other: MachineLimits) -> MachineLimits:
         """The higher of two measurements of each limit (a busy moment only ever lowers one)."""
         return MachineLimits(max(self.matmul_tflops_bf16, other.matmul_tflops_bf16),
                              max(self.matmul_tflops_fp32, other.matmul_tflops_fp32),
@@ -54,7 +54,7 @@ def measure_machine(size: int = 2048, copy_bytes: int = 1 << 30, repeat: int = 5
         n = size if dtype is not torch.bfloat16 or cpu_has_bf16() else 256
         a = torch.randn(n, n, dtype=dtype)
         b = torch.randn(n, n, dtype=dtype)
-        rates[dtype] = 2 * n**3 / _best_time(lambda: torch.matmul(a, b), repeat) / 1e12
+        rates[dtype] = 2 * n**3 / _best_time(lambda a=a, b=b: torch.matmul(a, b), repeat) / 1e12
     src = torch.empty(copy_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)  # touched first: page faults are not bandwidth
     seconds = _best_time(lambda: dst.copy_(src), repeat)

@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import httpx
 
-from pagellm.bench.report import append_markdown_row, line_plot, write_json
 from pagellm.bench import BenchError
+from pagellm.bench.report import append_markdown_row, line_plot, write_json
 from pagellm.bench.throughput import add_common_args, build_workload, prepare
 from pagellm.bench.workloads import Workload
 
@@ -44,10 +44,10 @@ class RequestTrace:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    error: Optional[str] = None
+    error: str | None = None
 
     @property
-    def tpot(self) -> Optional[float]:
+    def tpot(self) -> float | None:
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
@@ -90,7 +90,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
 
 
 async def run_load(base_url: str, model: str, workload: Workload, prompts: list[str], rate: float,
-                   max_concurrency: Optional[int], headers: dict[str, str], sampling: dict[str, Any],
+                   max_concurrency: int | None, headers: dict[str, str], sampling: dict[str, Any],
                    seed: int) -> tuple[list[RequestTrace], float]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency or len(workload.prompts))
@@ -135,7 +135,7 @@ def summarize(traces: list[RequestTrace], duration: float, goodput: dict[str, fl
     }
 
 
-def parse_goodput(items: Optional[list[str]]) -> dict[str, float]:
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
     if items is not None and not items:
         raise ValueError("--goodput needs at least one KEY:MS, e.g. --goodput ttft:500 tpot:50")
     out = {}
@@ -270,7 +270,7 @@ def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subproce
 
 def _load_server(label: str, base_url: str, served: str, loads: list[tuple[float, Workload, list[str]]],
                  warm_up: tuple[Workload, str], args: argparse.Namespace, goodput: dict[str, float],
-                 ignore_eos: bool, log_path: Optional[Path] = None) -> dict[str, Any]:
+                 ignore_eos: bool, log_path: Path | None = None) -> dict[str, Any]:
     """Each (rate, workload, text prompts) of ``loads`` against one server; returns the summaries by rate."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     sampling: dict[str, Any] = {"temperature": args.temperature, **({"ignore_eos": True} if ignore_eos else {})}

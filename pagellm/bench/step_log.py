@@ -4,7 +4,7 @@ observer (``StepLog.install(engine)``), it costs the engine nothing where it is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -22,8 +22,8 @@ class StepRecord:
     # Where the blocks in use reach a new high (the first step at the memory report's peak is one):
     # allocated but unused slots / allocated slots, and the sequences holding blocks, after the step.
     # None elsewhere: a pass over every sequence at every benchmarked step would weigh on its time.
-    kv_fragmentation: Optional[float] = None
-    kv_sequences: Optional[int] = None
+    kv_fragmentation: float | None = None
+    kv_sequences: int | None = None
 
 
 class StepLog:
@@ -35,7 +35,7 @@ class StepLog:
         self._engine: Any = None
 
     @classmethod
-    def install(cls, engine: Any) -> "StepLog":
+    def install(cls, engine: Any) -> StepLog:
         log = cls()
         log._engine = engine
         engine.step_observers.append(log)

@@ -6,16 +6,21 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pagellm.bench import backends as be
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
+from pagellm.bench.workloads import (
+    MODEL_PRESETS,
+    Workload,
+    bench_model_path,
+    parallel_workload,
+    random_workload,
+    shared_prefix_workload,
+)
 from pagellm.config import EngineArgs
 from pagellm.model.loader import check_model_folder
-from pagellm.bench.workloads import (
-    MODEL_PRESETS, Workload, bench_model_path, parallel_workload, random_workload, shared_prefix_workload,
-)
 
 DEFAULT_OUTPUT = Path("benchmarks/results")
 
@@ -105,7 +110,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, str, Any]:
     return model, model_name, config
 
 
-def build_workload(args: argparse.Namespace, vocab: int, seed: Optional[int] = None) -> Workload:
+def build_workload(args: argparse.Namespace, vocab: int, seed: int | None = None) -> Workload:
     """The workload the flags describe, drawn with ``seed`` (default ``--seed``)."""
     prompt, output = tuple(args.prompt_len), tuple(args.output_len)
     seed = args.seed if seed is None else seed
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Optional[Path]:
+def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Path | None:
     times, usage = [], []
     t = 0.0
     for s in step_log:

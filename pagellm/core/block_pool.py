@@ -7,8 +7,6 @@ the K/V values live in :mod:`pagellm.worker.cache_engine`, indexed by block id.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Optional
-
 
 BlockKey = tuple  # (parent_hash or None, tuple of token ids, extra keys or None)
 
@@ -32,12 +30,12 @@ class KVBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Prefix hash of a full block (prefix caching); None for a block still filling.
-        self.block_hash: Optional[int] = None
+        self.block_hash: int | None = None
         # What the hash was computed from: (parent hash, token ids, extra keys). Compared on every
         # hit, so a hash collision can never serve another prefix's K/V.
-        self.block_key: Optional[BlockKey] = None
-        self.prev_free: Optional[KVBlock] = None
-        self.next_free: Optional[KVBlock] = None
+        self.block_key: BlockKey | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
@@ -199,7 +197,7 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         self._num_cached_free += block.ref_cnt == 0
 
-    def lookup(self, block_hash: int, key: BlockKey) -> Optional[KVBlock]:
+    def lookup(self, block_hash: int, key: BlockKey) -> KVBlock | None:
         """The cached block for ``key``; None on a miss or on a hash collision."""
         block = self.cached_blocks.get(block_hash)
         if block is None or block.block_key != key:

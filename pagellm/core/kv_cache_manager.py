@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock, hash_block_key
 from pagellm.core.sequence import Sequence
@@ -64,7 +63,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVBlock]] = {}
         # The swap pool in host memory, and the CPU block tables of swapped-out sequences.
-        self.cpu_pool: Optional[BlockPool] = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
+        self.cpu_pool: BlockPool | None = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.cpu_tables: dict[int, list[KVBlock]] = {}
         self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
         self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
@@ -132,7 +131,7 @@ class KVCacheManager:
         return hits
 
     # ------------------------------------------------------------ allocation
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: Optional[list[KVBlock]] = None) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more K/V entries of ``seq``.
 
         ``cached`` (for a sequence without blocks) are prefix-cache hits to adopt first;
@@ -170,7 +169,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         return max(0, self.blocks_for(computed + num_new_tokens) - held) + revived
 
-    def _shared_block_to_write(self, seq: Sequence, computed: int) -> Optional[KVBlock]:
+    def _shared_block_to_write(self, seq: Sequence, computed: int) -> KVBlock | None:
         """The partially filled block the next token goes into, if other tables hold it too."""
         if computed % self.block_size == 0:
             return None  # the next token starts a fresh block

@@ -16,8 +16,6 @@ so two requests can never preempt each other back and forth.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pagellm.core.sequence import Sequence
 
 POLICIES = ("fcfs", "priority", "sla")
@@ -45,7 +43,7 @@ class PriorityPolicy(SchedulingPolicy):
 class SLAPolicy(SchedulingPolicy):
     name = "sla"
 
-    def __init__(self, default_ttft_slo: Optional[float]) -> None:
+    def __init__(self, default_ttft_slo: float | None) -> None:
         self.default_ttft_slo = default_ttft_slo
 
     def key(self, seq: Sequence) -> SortKey:
@@ -55,7 +53,7 @@ class SLAPolicy(SchedulingPolicy):
         return (deadline, request.arrival_time, seq.seq_id)
 
 
-def make_policy(name: str, default_ttft_slo: Optional[float] = None) -> SchedulingPolicy:
+def make_policy(name: str, default_ttft_slo: float | None = None) -> SchedulingPolicy:
     if name == "fcfs":
         return SchedulingPolicy()
     if name == "priority":

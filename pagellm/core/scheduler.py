@@ -21,12 +21,11 @@ sequence keeps the tokens it generated.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Optional
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy
@@ -45,11 +44,11 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     # Largest prefill chunk of one prompt in one step; None: the whole budget.
-    prefill_chunk_size: Optional[int] = None
+    prefill_chunk_size: int | None = None
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "auto"  # swap, recompute, or auto (swap while the CPU pool has room)
-    default_ttft_slo: Optional[float] = None
-    default_tpot_slo: Optional[float] = None
+    default_ttft_slo: float | None = None
+    default_tpot_slo: float | None = None
 
 
 @dataclass
@@ -63,7 +62,7 @@ class ScheduledSeq:
     # True when this step reaches the sequence's last token, so it yields a new token.
     sample: bool
     # Prompt positions in this chunk whose next-token logprob is wanted: [from, to).
-    prompt_logprobs_range: Optional[tuple[int, int]] = None
+    prompt_logprobs_range: tuple[int, int] | None = None
     # n > 1: children that fork from this sequence once its prompt is done; each samples its
     # own first token from the same logits.
     fork_children: list[Sequence] = field(default_factory=list)
@@ -91,8 +90,8 @@ class SchedulerOutput:
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: Optional[float]  # of the unprocessed distribution; None where the request scores nothing
-    top_logprobs: Optional[TokenLogprobs] = None
+    logprob: float | None  # of the unprocessed distribution; None where the request scores nothing
+    top_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -119,7 +118,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
 
     @property
-    def sla_attainment(self) -> Optional[float]:
+    def sla_attainment(self) -> float | None:
         return self.sla_met / self.sla_finished if self.sla_finished else None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from pagellm.outputs import RequestMetrics
 
@@ -30,7 +30,7 @@ class SequenceStatus(enum.Enum):
         )
 
     @property
-    def finish_reason(self) -> Optional[str]:
+    def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
 
 
@@ -53,7 +53,7 @@ class Sequence:
     whole prompt, a prefill chunk, or the one newest token of a decode).
     """
 
-    def __init__(self, request: "Request", index: int, seed: Optional[int]) -> None:
+    def __init__(self, request: Request, index: int, seed: int | None) -> None:
         self.seq_id = next(_seq_counter)
         self.request = request
         self.index = index
@@ -65,7 +65,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         # Per output token: {token_id: (logprob, rank)} when logprobs were asked for.
         self.output_logprobs: list[dict[int, tuple[float, int]]] = []
-        self.stop_reason: Optional[int | str] = None
+        self.stop_reason: int | str | None = None
         # (hash, key) of each full block, filled lazily by the KV cache manager.
         self.block_keys: list[tuple[int, tuple]] = []
         # Prefix-cache hit of the first admission, in tokens (RequestOutput.num_cached_tokens).
@@ -78,7 +78,7 @@ class Sequence:
         self.text = ""
 
     @property
-    def params(self) -> "SamplingParams":
+    def params(self) -> SamplingParams:
         return self.request.sampling_params
 
     @property
@@ -121,22 +121,22 @@ class Request:
     """A user request: one prompt, ``n`` sequences, and what was asked of them."""
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
     # Latency targets in seconds (the sla policy); None: the engine's defaults.
-    ttft_slo: Optional[float] = None
-    tpot_slo: Optional[float] = None
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
     # Isolates tenants in the prefix cache: blocks are shared only between requests with the same salt.
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     # Children of an n > 1 request that fork from seqs[0] when its prompt is done.
     pending_children: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
     # Prompt logprobs per prompt position (None for the first), filled during prefill.
-    prompt_logprobs: list[Optional[dict[int, tuple[float, int]]]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
     prompt_logprobs_out: list[Any] = field(default_factory=list)  # converted by the engine, as above
 
     def __post_init__(self) -> None:

@@ -14,10 +14,10 @@ outside a request's scope, is fatal: every request fails, ``health()`` says why 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
-from collections.abc import Hashable
-from typing import Any, Optional
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from pagellm.core.sequence import Request
 from pagellm.engine.faults import FaultInjector
@@ -52,7 +52,7 @@ MAX_FAULTS_IN_A_ROW = 3
 class RequestStream:
     """Async iterator of one request's outputs, ending with the finished one."""
 
-    def __init__(self, request: Request, owner: "AsyncLLMEngine") -> None:
+    def __init__(self, request: Request, owner: AsyncLLMEngine) -> None:
         self.request = request
         self.request_id = request.request_id
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -62,7 +62,7 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -88,8 +88,8 @@ StepCallback = Callable[[list[RequestOutput]], None]
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: Optional[int] = None,
-                 faults: Optional[FaultInjector] = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 faults: FaultInjector | None = None) -> None:
         """``faults``: test-only fault injection (default: the rules in ``$PAGELLM_TEST_FAULTS``, if any)."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
@@ -98,16 +98,16 @@ class AsyncLLMEngine:
         self._pending_aborts: list[str] = []
         # Aborted by abort_all: these streams get the request's final output (finish_reason "abort").
         self._final_on_abort: dict[str, RequestStream] = {}
-        self._wakeup: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
-        self._step: Optional[asyncio.Future] = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._step: asyncio.Future | None = None
         self._closing = False
         self._faults_in_a_row: dict[Hashable, int] = {}
         self.step_callbacks: list[StepCallback] = []
         self.abort_callbacks: list[Callable[[Request], None]] = []
         # Called once, with the error, when the engine fails for good (the server exits on it).
         self.fatal_callbacks: list[Callable[[BaseException], None]] = []
-        self.fatal_error: Optional[BaseException] = None
+        self.fatal_error: BaseException | None = None
         self.faults = FaultInjector.from_env() if faults is None else faults
         if "step" in self.faults.points:
             self._inject_step_faults()
@@ -126,10 +126,8 @@ class AsyncLLMEngine:
             self._pending_aborts.append(rid)
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
             self._task = None
         if self._step is not None and not self._step.done():
             await asyncio.wait([self._step])  # the engine is not thread-safe: no abort during a step
@@ -161,7 +159,7 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def health(self) -> Optional[str]:
+    def health(self) -> str | None:
         """None while the engine serves; otherwise why it does not (for /health)."""
         if self.fatal_error is not None:
             return f"the engine failed: {self.fatal_error}"
@@ -251,7 +249,7 @@ class AsyncLLMEngine:
             for cb in self.abort_callbacks:
                 self._call(cb, request)
 
-    def _call(self, cb: Callable[[Any], None], arg: Any, fault_point: Optional[str] = None) -> None:
+    def _call(self, cb: Callable[[Any], None], arg: Any, fault_point: str | None = None) -> None:
         """A callback (metrics) that raises is skipped this time; the requests are not its concern."""
         try:
             if fault_point is not None:

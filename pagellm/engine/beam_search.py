@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ class BeamSearchSequence:
     num_prompt_tokens: int
     cum_logprob: float = 0.0
     finished: bool = False
-    text: Optional[str] = None
+    text: str | None = None
     score: float = 0.0
 
     @property
@@ -75,7 +75,7 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
     return beam.cum_logprob / (gen_len**length_penalty)
 
 
-def beam_search(engine: "LLMEngine", prompts: list["PromptType"], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
     width = params.beam_width
     step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
                                  detokenize=False)

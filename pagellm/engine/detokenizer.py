@@ -9,7 +9,7 @@ tokens add, released only once it is no longer an incomplete UTF-8 character.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # Prompt tokens kept as left context so the first output token decodes with the right spacing.
 _CONTEXT_TOKENS = 5
@@ -24,12 +24,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         # The sequence's stop-string search, kept across steps by the engine (None without stop strings).
-        self.stop_matcher: Optional[StopStringMatcher] = None
+        self.stop_matcher: StopStringMatcher | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _release(self) -> Optional[str]:
+    def _release(self) -> str | None:
         """The text the tokens after ``read_offset`` add, moving the window past them; None (window
         unchanged) while that text is empty or ends inside a character."""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -104,7 +104,7 @@ class StopStringMatcher:
     The state is also the hold-back of a stream (``hold``).
     """
 
-    def __init__(self, stops: list[str], tables: Optional[dict[str, list[int]]] = None, start: int = 0) -> None:
+    def __init__(self, stops: list[str], tables: dict[str, list[int]] | None = None, start: int = 0) -> None:
         """``start``: where in the text the first character fed is (the index base of matches)."""
         self.stops = stops
         # Failure tables, built when first needed; a dict shared by every matcher of a request.
@@ -118,15 +118,15 @@ class StopStringMatcher:
             table = self.tables[stop] = stop_string_table(stop)
         return table
 
-    def feed(self, new_text: str) -> Optional[tuple[str, int]]:
+    def feed(self, new_text: str) -> tuple[str, int] | None:
         """Append ``new_text``; return the stop string it completed that starts earliest (the first
         listed on a tie), with its start index in the whole text, or None."""
-        best: Optional[tuple[str, int]] = None
+        best: tuple[str, int] | None = None
         end = len(new_text)
         for j, stop in enumerate(self.stops):
             k = self.states[j]
             first = stop[0]
-            table: Optional[list[int]] = None
+            table: list[int] | None = None
             hit = -1
             pos = 0
             while pos < end:
@@ -163,7 +163,7 @@ class StopStringMatcher:
         return max(self.states, default=0)
 
 
-def find_stop_string(text: str, new_chars: int, stops: list[str]) -> Optional[tuple[str, int]]:
+def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[str, int] | None:
     """The earliest stop string that the last ``new_chars`` characters completed, with its index.
 
     One-shot form; a text that grows step by step is better served by a ``StopStringMatcher``.

@@ -27,7 +27,6 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
 
 ENV_VAR = "PAGELLM_TEST_FAULTS"
 POINTS = ("admit", "abort", "step", "callback", "loop")
@@ -40,13 +39,13 @@ class InjectedFault(RuntimeError):
 @dataclass
 class FaultRule:
     point: str
-    prompt_contains: Optional[str] = None
+    prompt_contains: str | None = None
     after: int = 0
     times: float = 1
     seen: int = 0  # matching events so far
     fired: int = 0
 
-    def matches(self, prompts: Iterable[Optional[str]]) -> bool:
+    def matches(self, prompts: Iterable[str | None]) -> bool:
         if self.prompt_contains is None:
             return True
         return any(p is not None and self.prompt_contains in p for p in prompts)
@@ -55,12 +54,12 @@ class FaultRule:
 class FaultInjector:
     """The parsed rules; ``check(point, prompts)`` raises ``InjectedFault`` where one fires."""
 
-    def __init__(self, rules: Optional[list[FaultRule]] = None) -> None:
+    def __init__(self, rules: list[FaultRule] | None = None) -> None:
         self.rules = rules or []
         self.points = {r.point for r in self.rules}
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultInjector":
+    def parse(cls, spec: str) -> FaultInjector:
         """Rules from the ``PAGELLM_TEST_FAULTS`` syntax; ValueError on anything it does not know."""
         rules = []
         for item in filter(None, (s.strip() for s in spec.split(";"))):
@@ -85,13 +84,13 @@ class FaultInjector:
         return cls(rules)
 
     @classmethod
-    def from_env(cls) -> "FaultInjector":
+    def from_env(cls) -> FaultInjector:
         return cls.parse(os.environ.get(ENV_VAR, ""))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
 
-    def check(self, point: str, prompts: Iterable[Optional[str]] = ()) -> None:
+    def check(self, point: str, prompts: Iterable[str | None] = ()) -> None:
         """Raise ``InjectedFault`` if a rule for ``point`` fires on this event."""
         if point not in self.points:
             return

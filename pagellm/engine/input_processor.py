@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from typing import Any, Optional, Union
+from typing import Any
 
 import jinja2
 
@@ -17,7 +17,7 @@ from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 
 
 class ChatTemplateSyntaxError(ValueError):
@@ -37,7 +37,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], chat_template: Optional[str] = None, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -57,7 +57,7 @@ class InputProcessor:
             ids = ids["input_ids"]
         return list(ids)
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -91,12 +91,12 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: Optional[SamplingParams] = None,
-        arrival_time: Optional[float] = None,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        cache_salt: Optional[str] = None,
-        ttft_slo: Optional[float] = None,
-        tpot_slo: Optional[float] = None,
+        cache_salt: str | None = None,
+        ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
     ) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input."""
         params = params or SamplingParams()

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Protocol
 
 import torch
 
@@ -36,9 +36,9 @@ class StepObserver(Protocol):
     """Told of every step that runs the model (benchmarks' step logs); the engine times the model
     only while one is installed."""
 
-    def executed(self, engine: "LLMEngine", scheduler_output: SchedulerOutput, seconds: float) -> None: ...
+    def executed(self, engine: LLMEngine, scheduler_output: SchedulerOutput, seconds: float) -> None: ...
 
-    def updated(self, engine: "LLMEngine") -> None: ...
+    def updated(self, engine: LLMEngine) -> None: ...
 
 
 @dataclass
@@ -59,7 +59,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_generated_tokens: int  # cumulative
     num_prompt_tokens: int  # cumulative, counted when a request's prefill completes
-    sla_attainment: Optional[float] = None
+    sla_attainment: float | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -128,29 +128,29 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.step_observers: list[StepObserver] = []
         # The schedule of the step running or last run: what a step that raised had in hand.
-        self._last_scheduler_output: Optional[SchedulerOutput] = None
+        self._last_scheduler_output: SchedulerOutput | None = None
         if args.preload_prompts:
             assert not isinstance(args.preload_prompts, str)  # EngineArgs read the file into a list
             self.preload_prefixes(args.preload_prompts)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], chat_template: Optional[str] = None, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template."""
         return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt)
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""
         return self.input_processor.tokenize_prompt(prompt)
 
-    def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                     arrival_time: Optional[float] = None, priority: int = 0, cache_salt: Optional[str] = None,
-                     ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None) -> Request:
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                     ttft_slo: float | None = None, tpot_slo: float | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input.
 
         Touches no engine state, so a server can call it while a step runs in another thread.
@@ -166,12 +166,12 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: Optional[SamplingParams] = None,
-        arrival_time: Optional[float] = None,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
         priority: int = 0,
-        cache_salt: Optional[str] = None,
-        ttft_slo: Optional[float] = None,
-        tpot_slo: Optional[float] = None,
+        cache_salt: str | None = None,
+        ttft_slo: float | None = None,
+        tpot_slo: float | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.requests:
@@ -187,7 +187,7 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort in any state; every block the request held is returned at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -313,7 +313,7 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
         return outputs
 
-    def last_step_request_ids(self) -> Optional[list[str]]:
+    def last_step_request_ids(self) -> list[str] | None:
         """Ids of the requests the last step worked on: scheduled, preempted, or swapped in.
 
         After ``step`` raised, these are the requests whose state is unknown (abort them; the rest

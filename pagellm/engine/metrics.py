@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -112,7 +111,7 @@ class EngineMetrics:
             self._l(self.success, finished_reason=reason or "abort").inc()
         self._observe_latencies(request.metrics, finished_time=self.clock())
 
-    def _observe_latencies(self, m: Optional[RequestMetrics], finished_time: Optional[float] = None) -> None:
+    def _observe_latencies(self, m: RequestMetrics | None, finished_time: float | None = None) -> None:
         if m is None:
             return
         if m.first_token_time is not None:
@@ -123,7 +122,7 @@ class EngineMetrics:
         if end is not None:
             self._l(self.e2e).observe(end - m.arrival_time)
 
-    def _refresh(self, now: Optional[float] = None) -> None:
+    def _refresh(self, now: float | None = None) -> None:
         """Gauges and counters from the engine's stats (between steps only)."""
         now = now if now is not None else self.clock()
         self._trim_window(now)

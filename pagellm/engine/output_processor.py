@@ -4,7 +4,7 @@ the ``RequestOutput`` a caller reads."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from pagellm.core.scheduler import TokenLogprobs
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
@@ -57,8 +57,8 @@ class OutputProcessor:
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _logprobs(
-        self, entries: list[Optional[TokenLogprobs]], converted: list[Any]
-    ) -> list[Optional[dict[int, Logprob]]]:
+        self, entries: list[TokenLogprobs | None], converted: list[Any]
+    ) -> list[dict[int, Logprob] | None]:
         """``entries`` as Logprob dicts; ``converted`` caches earlier calls, so each entry is decoded once."""
         decode = self.tokenizer.decode
         for e in entries[len(converted):]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 from pagellm.engine.llm_engine import LLMEngine
 
@@ -21,7 +21,7 @@ class StatsLogger:
         self.engine = engine
         self.interval = interval
         self._last_time = time.monotonic()
-        self._last: Optional[Any] = None
+        self._last: Any | None = None
 
     def on_step(self, outputs: list[Any]) -> None:
         now = time.monotonic()

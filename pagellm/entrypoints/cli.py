@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from pagellm.config import EngineArgs
 
@@ -37,7 +37,7 @@ SAMPLING_FLAGS: dict[str, tuple[str, type, str]] = {
 class HelpFormatter(argparse.HelpFormatter):
     """Every flag's help shows its default (unless the help text already says it)."""
 
-    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower()
                 or isinstance(action, argparse._HelpAction)):
@@ -136,7 +136,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.A
 }
 
 
-def _command_in(argv: Sequence[str]) -> Optional[str]:
+def _command_in(argv: Sequence[str]) -> str | None:
     """The command ``argv`` names (the first word that is not a top-level option or its value)."""
     skip = False
     for word in argv:
@@ -149,7 +149,7 @@ def _command_in(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
-def build_parser(argv: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; with ``argv``, only the command it names gets its flags (the others are listed)."""
     parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine",
                                      formatter_class=HelpFormatter)
@@ -175,7 +175,7 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
                 add_log_level(child)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

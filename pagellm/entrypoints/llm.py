@@ -6,7 +6,7 @@ import itertools
 import numbers
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Optional, Union, cast
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -20,7 +20,7 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 Message = dict[str, Any]
 
 
-def _as_prompt_list(prompts: Union[PromptType, Seq[PromptType]]) -> list[PromptType]:
+def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
     """One prompt (text, token ids or a dict) or a list of them -> a list."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral)
@@ -35,7 +35,7 @@ def _as_prompt_list(prompts: Union[PromptType, Seq[PromptType]]) -> list[PromptT
 class LLM:
     """``LLM(model=None, **engine_args)``: with no model, the embedded tiny default."""
 
-    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
 
@@ -48,7 +48,7 @@ class LLM:
         return SamplingParams(**self.llm_engine.default_sampling_fields)
 
     def beam_search(
-        self, prompts: Union[PromptType, Seq[PromptType]], params: BeamSearchParams
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt; each output holds the ``beam_width`` best sequences, best first."""
         return beam_search(self.llm_engine, _as_prompt_list(prompts), params)
@@ -71,10 +71,10 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptType, Seq[PromptType]],
-        sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-        use_tqdm: Union[bool, Callable[..., Any]] = True,
-        priority: Optional[Seq[int]] = None,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order.
 
@@ -104,10 +104,10 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[list[Message], list[list[Message]]],
-        sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-        use_tqdm: Union[bool, Callable[..., Any]] = True,
-        chat_template: Optional[str] = None,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
@@ -119,8 +119,8 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: Union[bool, Callable[..., Any]],
-             priorities: Optional[list[int]] = None) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool | Callable[..., Any],
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []

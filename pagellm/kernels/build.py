@@ -22,8 +22,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 # The messages keep the logger they had when this module was part of native.py.
 logger = logging.getLogger("pagellm.kernels.native")
@@ -44,7 +44,7 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:
@@ -90,7 +90,7 @@ def cache_key(source: Path, cc: str) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def build(cc: str, source: Path, target: Path) -> Optional[str]:
+def build(cc: str, source: Path, target: Path) -> str | None:
     """Compile ``source`` (a folder's C files, each to an object in parallel, linked into one library,
     or one C file) to ``target``, atomically; returns what went wrong, or None."""
     tmp = workdir = None
@@ -138,7 +138,7 @@ def disabled() -> bool:
     return os.environ.get("PAGELLM_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def load_library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> Optional[ctypes.CDLL]:
+def load_library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
     """The kernels compiled from ``source``, built if needed, with ``declare`` run on them; None when
     disabled or when they cannot be built (warned)."""
     if disabled():

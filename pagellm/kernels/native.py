@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Optional
 
 import torch
 
@@ -23,8 +22,8 @@ SOURCE = build.SOURCE_DIR
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in csrc/cpu_kernels.h
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> Optional[ctypes.CDLL]:
+@functools.cache
+def load() -> ctypes.CDLL | None:
     """The compiled kernels, built if needed; None when disabled or when they cannot be built."""
     return build.load_library(SOURCE, _declare)
 
@@ -93,8 +92,8 @@ def paged_prefill_attention(
     block_table: torch.Tensor,  # (num_blocks_of_seq,) int64
     cached: int,  # tokens before these in the sequence: query i is at position cached + i
     scale: float,
-    window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's new tokens attending causally over the pool, their own K/V already written there;
     returns (q_len, num_heads, head_dim) in the cache's dtype: ``out`` when it is given (contiguous,
@@ -123,7 +122,7 @@ def paged_prefill_attention(
     return out
 
 
-def use_bf16_dot_products(enable: bool) -> Optional[bool]:
+def use_bf16_dot_products(enable: bool) -> bool | None:
     """Attention (decode and prefill) on bfloat16 pools: the CPU's bfloat16 dot products (True, the
     default where the CPU has AVX512-BF16) or the portable paths (False; decode then gives the float32
     path's bits). Process-wide: switch only while no kernel runs. Returns the previous setting, or None
@@ -157,7 +156,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def argmax_logsumexp(logits: torch.Tensor,
-                     with_lse: bool = True) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+                     with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per row of (rows, vocab) float32 CPU logits: (first argmax, logsumexp or None without
     ``with_lse``), or None where the kernel does not apply (other device or dtype, or no kernel), for
     the caller's PyTorch path."""
@@ -220,9 +219,9 @@ def paged_decode_attention(
     lens: torch.Tensor,  # (num_seqs,) int64 context lengths, >= 1
     scratch: torch.Tensor,  # from scratch_for(...)
     scale: float,
-    window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    cascade: Optional[torch.Tensor] = None,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+    cascade: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its own blocks; returns (num_seqs, num_heads, head_dim) in the
     cache's dtype: ``out`` when it is given (contiguous, that shape and dtype). Block ids and lengths are
@@ -280,7 +279,7 @@ def _applies(*tensors: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, the norm in float32. With
     ``residual``: ``residual`` becomes x + residual (in place) and that sum is normed. None where the
     kernel does not apply (nothing changed)."""
@@ -295,7 +294,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for rows [gate | up] of (num_tokens, 2 * inter), as PyTorch rounds its two ops
     (to an ulp of the exponential); None where the kernel does not apply."""
     if not _applies(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
@@ -333,7 +332,7 @@ def linear_supported() -> bool:
     return lib is not None and _has_linear(lib)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_linear(lib: ctypes.CDLL) -> bool:  # asked once per library (every layer call checks)
     # The kernel leaves itself out where the compiler targets AMX; the CPU is asked too, since a
     # compiler too old to know AMX would not say so, and oneDNN's AMX path is far faster there.
@@ -380,7 +379,7 @@ def pack_linear_weight(weight: torch.Tensor, gated: bool = False) -> torch.Tenso
 
 
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                 gated: bool = False) -> torch.Tensor:
     """x (rows, in_features) bfloat16 on the CPU (any stride between rows, unit stride within) times
     the weight packed by ``pack_linear_weight``, plus ``bias`` (float32, out_features) if given:

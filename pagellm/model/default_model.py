@@ -8,6 +8,7 @@ The same builders make the tiny checkpoints of the test suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -72,7 +73,12 @@ def build_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, *
     """Save a random-weight ``transformers`` model plus the embedded tokenizer into ``folder``."""
     import torch
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     classes = {
@@ -122,10 +128,8 @@ def default_model_path() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_MODEL_NAME + ".", dir=target.parent))
     try:
         build_checkpoint(tmp, "llama", seed=0)
-        try:
+        with contextlib.suppress(OSError):  # another process won the race
             tmp.rename(target)
-        except OSError:  # another process won the race
-            pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

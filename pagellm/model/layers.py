@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     @overload
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, with the residual stream, (norm(x + residual), x + residual), the sum written
         into ``residual``'s memory where the native kernel runs (it is the caller's running sum)."""
         out = native.rms_norm(x, self.weight, self.eps, residual)  # one pass instead of six (seven)

@@ -7,7 +7,7 @@ Mistral may use a sliding window, any of them may tie the LM head to the embeddi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window_of(config: Any) -> Optional[int]:
+def sliding_window_of(config: Any) -> int | None:
     """The attention window in tokens, or None for full attention."""
     if getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False):
         return None
@@ -40,11 +40,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
-        self.backend: Optional[AttentionBackend] = None  # LlamaForCausalLM.set_attention_backend
+        self.backend: AttentionBackend | None = None  # LlamaForCausalLM.set_attention_backend
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-        keep: Optional[OutputRows] = None,
+        keep: OutputRows | None = None,
     ) -> torch.Tensor:
         """Every row's K/V is stored; with ``keep``, only its rows are attended and returned."""
         backend = self.backend
@@ -80,8 +80,8 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], kv_cache: KVCache,
-        meta: AttentionMetadata, keep: Optional[OutputRows] = None,
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+        meta: AttentionMetadata, keep: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings for the first layer, residual None);
         residual: the running sum of the outputs before it. Each residual addition is fused into the
@@ -126,11 +126,11 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Chosen once by the model runner (set_attention_backend).
-        self.attn_backend: Optional[AttentionBackend] = None
+        self.attn_backend: AttentionBackend | None = None
         # Decode-only steps run every layer in one call where the backend has a driver for these
         # layers (the native one: model/native_decode.py; the same bits as the layers' forward).
-        self._driver: Optional[StepDriver] = None
-        self._driver_pools: Optional[list[KVCache]] = None
+        self._driver: StepDriver | None = None
+        self._driver_pools: list[KVCache] | None = None
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The attention backend every layer calls (the model runner's, chosen at start-up)."""
@@ -157,12 +157,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta, meta.output_rows if i == last else None)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "LlamaForCausalLM":
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> LlamaForCausalLM:
         # .to(), .float(), ... replace the tensors the step driver points into: build it again.
         self._driver, self._driver_pools = None, None
         return super()._apply(fn, *args, **kwargs)
 
-    def _step_driver(self, kv_caches: list[KVCache]) -> Optional[StepDriver]:
+    def _step_driver(self, kv_caches: list[KVCache]) -> StepDriver | None:
         """The backend's decode-step driver over these pools (built on first use), or None where it has none."""
         if self._driver_pools is not kv_caches or (self._driver is not None and not self._driver.serves(kv_caches)):
             assert self.attn_backend is not None, "the model runner sets the attention backend"

@@ -132,7 +132,7 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             try:
                 with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
+                    for name in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
                         tensor = f.get_tensor(name)
                         bar.update(tensor.numel() * tensor.element_size())
                         yield name, tensor

@@ -11,7 +11,7 @@ dtypes and other devices take the layers' own ``forward``. The native attention 
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import torch
 
@@ -21,7 +21,7 @@ from pagellm.model.attention.native_backend import DecodeBatch
 from pagellm.model.packed_linear import PackedLinear
 
 
-def _pointer(t: Optional[torch.Tensor]) -> Optional[int]:
+def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
@@ -70,7 +70,7 @@ class NativeDecoder:
             k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv_caches, self.pools))
 
     @classmethod
-    def create(cls, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional["NativeDecoder"]:
+    def create(cls, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> NativeDecoder | None:
         """The decoder where every kernel of a decode step is the native one and every shape is the one
         the C side assumes, else None."""
         bf16 = torch.bfloat16

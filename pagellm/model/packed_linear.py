@@ -18,7 +18,6 @@ the same bits as the separate activation, without writing both halves out and re
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -44,7 +43,7 @@ class PackedLinear(nn.Module):
 
     # Buffers (register_buffer in __init__), declared for the type checker.
     packed_weight: torch.Tensor
-    bias: Optional[torch.Tensor]
+    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, kernel: str = "onednn", gated: bool = False) -> None:
         super().__init__()
@@ -66,7 +65,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
-    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ weight.T + bias, in ``x``'s dtype (gated: silu(gate) * up of it); with ``out_dtype``
         (float32 for logits) that result converted, which the native kernel does as it stores."""
         if x.dim() == 2 and self.kernel == "native" and x.stride(-1) == 1:  # the model's every call
@@ -102,7 +101,7 @@ def packing_works(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def linear_kernel(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+def linear_kernel(dtype: torch.dtype, device: torch.device) -> str | None:
     """The kernel packed linears use for this dtype and device, or None (``nn.Linear`` stays)."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None

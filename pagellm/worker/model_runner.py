@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 from pagellm.core.sequence import Sequence
-from pagellm.model.attention import (AttentionConfig, AttentionMetadata, DecodeMetadata, PrefillSpan, cascade_runs,
-                                     choose_output_rows, select_attention_backend)
+from pagellm.model.attention import (
+    AttentionConfig,
+    AttentionMetadata,
+    DecodeMetadata,
+    PrefillSpan,
+    cascade_runs,
+    choose_output_rows,
+    select_attention_backend,
+)
 from pagellm.model.attention.metadata import long_tensor
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
@@ -47,7 +54,7 @@ class StepBatch:
     sampling: SamplingMetadata
     # [num_samples + num_scored] int64: the model's output rows the LM head reads, in SamplingMetadata's
     # order; None: every output row, in order (a decode-only step: no gather)
-    logits_rows: Optional[torch.Tensor]
+    logits_rows: torch.Tensor | None
 
 
 class ModelRunner:
@@ -57,7 +64,7 @@ class ModelRunner:
         cache_engine: CacheEngine,
         sampler: Sampler,
         device: torch.device,
-        sliding_window: Optional[int] = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
@@ -165,7 +172,7 @@ class ModelRunner:
         return sampling
 
     def prepare_logits_rows(self, attn: AttentionMetadata, num_tokens: int,
-                            sampling: SamplingMetadata) -> Optional[torch.Tensor]:
+                            sampling: SamplingMetadata) -> torch.Tensor | None:
         """The LM head runs only on the rows that are sampled or scored, and the last layer (but for its
         K/V) on the rows those need (``attn.output_rows``, set here)."""
         rows = sampling.rows + sampling.lp_rows

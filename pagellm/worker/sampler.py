@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from typing import cast
+
 import torch
 
 from pagellm.core.scheduler import SampleResult, TokenLogprobs

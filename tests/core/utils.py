@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
@@ -26,10 +26,10 @@ def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_
     return Scheduler(cfg, kv, eos_token_ids=list(eos_token_ids), clock=FakeClock())
 
 
-def create_request(prompt_len: Optional[int] = None, max_tokens: int = 4, *,
-                   prompt_token_ids: Optional[list[int]] = None, arrival_time: float = 0.0, priority: int = 0,
-                   cache_salt: Optional[str] = None,
-                   ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None,
+def create_request(prompt_len: int | None = None, max_tokens: int = 4, *,
+                   prompt_token_ids: list[int] | None = None, arrival_time: float = 0.0, priority: int = 0,
+                   cache_salt: str | None = None,
+                   ttft_slo: float | None = None, tpot_slo: float | None = None,
                    **sampling: Any) -> Request:
     """A request of ``prompt_len`` tokens (or these ``prompt_token_ids``) that generates ``max_tokens``
     (EOS ignored unless ``ignore_eos=False``); ``sampling``: more SamplingParams fields."""

@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
 from pagellm import EngineArgs, LLMEngine, SamplingParams
 from pagellm.engine.async_engine import (
-    MAX_FAULTS_IN_A_ROW, AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream,
+    MAX_FAULTS_IN_A_ROW,
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
 )
 from pagellm.engine.faults import FaultInjector, InjectedFault
 from pagellm.outputs import RequestOutput
@@ -38,7 +42,7 @@ def run(engine: LLMEngine, faults: str, body: Callable[[AsyncLLMEngine], Awaitab
     return asyncio.run(main())
 
 
-async def drain(stream: RequestStream) -> tuple[Optional[RequestOutput], Optional[BaseException]]:
+async def drain(stream: RequestStream) -> tuple[RequestOutput | None, BaseException | None]:
     """(last output, the error that ended the stream or None)."""
     last = None
     try:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pagellm import LLM, LLMEngine, EngineArgs, SamplingParams
+from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
 from tests.helpers import assert_all_blocks_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

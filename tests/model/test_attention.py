@@ -10,11 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.model.attention import (
-    BAG_MIN_BLOCK_SIZE, BACKENDS, AttentionConfig, AttentionMetadata, DecodeGroups, NativeAttentionBackend,
-    PrefillSpan, TorchAttentionBackend, cascade_runs, choose_output_rows, select_attention_backend, write_kv,
-)
 from pagellm.kernels import native
+from pagellm.model.attention import (
+    BACKENDS,
+    BAG_MIN_BLOCK_SIZE,
+    AttentionConfig,
+    AttentionMetadata,
+    DecodeGroups,
+    NativeAttentionBackend,
+    PrefillSpan,
+    TorchAttentionBackend,
+    cascade_runs,
+    choose_output_rows,
+    select_attention_backend,
+    write_kv,
+)
 from pagellm.worker.cache_engine import kv_shapes
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import hmac
 import logging
 import math
@@ -13,9 +12,9 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar, Union
+from pathlib import Path
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -34,10 +33,13 @@ from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.stats_logger import StatsLogger
 from pagellm.entrypoints.openai.cli_args import api_keys_from_env
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
-from pagellm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-)
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -148,16 +150,16 @@ class OpenAIServing(OpenAIServingCompletion, OpenAIServingChat):
 class CORSSettings:
     """``--allowed-origins`` and its companions; CORS is off without origins."""
 
-    allowed_origins: Optional[list[str]] = None
+    allowed_origins: list[str] | None = None
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: Optional[Union[str, Sequence[str]]] = None,
-              max_waiting_requests: Optional[int] = None, max_body_bytes: int = 2**20,
-              chat_template: Optional[str] = None, aliases: Sequence[str] = (),
-              body_read_timeout: float = math.inf, cors: Optional[CORSSettings] = None) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] | None = None,
+              max_waiting_requests: int | None = None, max_body_bytes: int = 2**20,
+              chat_template: str | None = None, aliases: Sequence[str] = (),
+              body_read_timeout: float = math.inf, cors: CORSSettings | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
@@ -279,7 +281,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: Optional[Union[str, S
 
 
 # ----------------------------------------------------------------------- CLI
-def load_chat_template(value: Optional[str]) -> Optional[str]:
+def load_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's contents, or the template itself (vLLM's rule: text with a Jinja
     block or variable is a template; anything else must be a file)."""
     if value is None:
@@ -302,7 +304,8 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     return template
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Serve on ``sock`` (bound by ``cli_args.bind_socket`` before anything heavy was imported)."""
     import uvicorn
 
     if args.model_tag is not None:
@@ -313,8 +316,6 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if not 0 <= args.shutdown_timeout < math.inf:
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     for flag in ("timeout_keep_alive", "body_read_timeout"):
         if not 0 < getattr(args, flag) < math.inf:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive, finite number of seconds, "
@@ -322,8 +323,6 @@ def run_server(args: argparse.Namespace) -> int:
     max_body = parse_memory(args.max_request_body_size)
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
-    # The port is taken before the model loads: a port in use is reported at once, not after a long load.
-    sock = bind_socket(args.host, args.port)
     engine = LLMEngine(engine_args)
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
@@ -349,22 +348,3 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("listening on http://%s:%d (model %r)", args.host, args.port, name)
     server.run(sockets=[sock])
     return server.exit_code
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); ValueError naming the port and the flag when it is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} on {host} is already in use: stop what holds it, or choose another "
-                             "port with --port") from e
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-

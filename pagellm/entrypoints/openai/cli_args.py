@@ -4,8 +4,10 @@ parser imports neither torch nor FastAPI."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 from typing import Any
 
 from pagellm.config import EngineArgs
@@ -75,6 +77,30 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def _run(args: argparse.Namespace) -> Any:
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    # The port is taken before anything loads (the server stack, torch, the model): a port in use is
+    # reported at once, not after a long load.
+    sock = bind_socket(args.host, args.port)
     from pagellm.entrypoints.openai.api_server import run_server
 
-    return run_server(args)
+    return run_server(args, sock)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); ValueError naming the port and the flag when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use: stop what holds it, or choose another "
+                             "port with --port") from e
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -22,8 +22,8 @@ _TYPES = {
 class APIError(Exception):
     """Raised by handlers; turned into an OpenAI-shaped JSON error response."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -32,7 +32,7 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -61,7 +61,7 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _TYPE_WORDS or "[" in part)
 
 
-def _union_error(errors: Sequence[Mapping[str, Any]]) -> Optional[APIError]:
+def _union_error(errors: Sequence[Mapping[str, Any]]) -> APIError | None:
     """One message for a field that takes several types (``prompt``, ``stop``, a message's ``content``):
     pydantic reports a failure per member, and the first alone names a member, not the field."""
     if errors[0].get("type") == "extra_forbidden":  # an unknown key may well be spelled "str"

@@ -9,7 +9,7 @@ are not implemented (``REFUSED``), unless given the value that changes nothing.
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,7 +36,7 @@ class StreamOptions(StrictModel):
     # vLLM's: usage (so far) on every chunk too; with include_usage only, as in vLLM.
     continuous_usage_stats: bool = False
     # OpenAI's: random padding against length side channels; these streams carry none.
-    include_obfuscation: Optional[bool] = None
+    include_obfuscation: bool | None = None
 
     IGNORED: ClassVar[tuple[str, ...]] = ("include_obfuscation",)
 
@@ -44,53 +44,53 @@ class StreamOptions(StrictModel):
 class SamplingFields(StrictModel):
     """Fields shared by completions and chat, vLLM's extensions included."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    response_format: Optional[dict[str, Any]] = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
     # Accepted and ignored (IGNORED).
-    user: Optional[str] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    length_penalty: Optional[float] = None  # vLLM's, for beam search only
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    length_penalty: float | None = None  # vLLM's, for beam search only
     # vLLM extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
-    cache_salt: Optional[str] = None
-    ttft_slo: Optional[float] = None  # seconds, for --scheduling-policy sla
-    tpot_slo: Optional[float] = None
+    cache_salt: str | None = None
+    ttft_slo: float | None = None  # seconds, for --scheduling-policy sla
+    tpot_slo: float | None = None
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=1)  # keep the prompt's last N tokens
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
     # vLLM's, declared only to be refused by name (REFUSED).
-    use_beam_search: Optional[bool] = None
-    prompt_logprobs: Optional[int] = None
-    allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
-    structural_tag: Optional[Any] = None
-    logits_processors: Optional[Any] = None
-    return_tokens_as_token_ids: Optional[bool] = None
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any | None = None
+    guided_regex: Any | None = None
+    guided_choice: Any | None = None
+    guided_grammar: Any | None = None
+    structural_tag: Any | None = None
+    logits_processors: Any | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "store", "metadata", "service_tier", "prompt_cache_key",
                                           "safety_identifier", "length_penalty")
@@ -102,7 +102,7 @@ class SamplingFields(StrictModel):
     }
 
     @model_validator(mode="after")
-    def _note_ignored_fields(self) -> "SamplingFields":
+    def _note_ignored_fields(self) -> SamplingFields:
         for name in self.IGNORED:
             if name in self.model_fields_set:
                 note_ignored(name)
@@ -112,7 +112,7 @@ class SamplingFields(StrictModel):
                     note_ignored(f"stream_options.{name}")
         return self
 
-    def unsupported_field(self) -> Optional[str]:
+    def unsupported_field(self) -> str | None:
         """The first field given that would change the output but is not implemented here."""
         for name, noops in self.REFUSED.items():
             value = getattr(self, name)
@@ -122,7 +122,7 @@ class SamplingFields(StrictModel):
             return "response_format"
         return None
 
-    def sampling_params(self, max_tokens: Optional[int], defaults: Optional[dict[str, Any]] = None,
+    def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None,
                         **extra: Any) -> SamplingParams:
         """Raises ValueError naming the field on an invalid value. ``defaults`` (the model's
         generation_config.json values) fill the sampling fields the request leaves unset."""
@@ -171,12 +171,12 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: False tokenizes a text prompt without BOS and the like
 
 
@@ -184,38 +184,38 @@ class ChatMessage(BaseModel):
     # Content parts other than text (images, audio) are refused by the handler with a clear message.
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
-    name: Optional[str] = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     # Accepted and ignored: no tools can be given (they are refused), and no reasoning is parsed out.
-    parallel_tool_calls: Optional[bool] = None
-    include_reasoning: Optional[bool] = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None
     # Declared only to be refused by name (REFUSED).
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
-    functions: Optional[Any] = None
-    function_call: Optional[Any] = None
-    audio: Optional[Any] = None
-    modalities: Optional[Any] = None
-    prediction: Optional[Any] = None
-    web_search_options: Optional[Any] = None
-    reasoning_effort: Optional[Any] = None
-    verbosity: Optional[Any] = None
+    tools: Any | None = None
+    tool_choice: Any | None = None
+    functions: Any | None = None
+    function_call: Any | None = None
+    audio: Any | None = None
+    modalities: Any | None = None
+    prediction: Any | None = None
+    web_search_options: Any | None = None
+    reasoning_effort: Any | None = None
+    verbosity: Any | None = None
     # vLLM's chat extensions that change the prompt.
-    echo: Optional[bool] = None
-    add_special_tokens: Optional[bool] = None
-    continue_final_message: Optional[bool] = None
-    documents: Optional[list[Any]] = None
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: bool | None = None
+    add_special_tokens: bool | None = None
+    continue_final_message: bool | None = None
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "parallel_tool_calls", "include_reasoning")
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
@@ -228,13 +228,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(StrictModel):
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(StrictModel):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]

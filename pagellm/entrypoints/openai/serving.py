@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -43,7 +43,7 @@ class ChoiceState:
     started: bool = False
     finished: bool = False
     # The stop-string search over the text seen so far, fed only what each output adds to it.
-    stops: Optional[StopStringMatcher] = None
+    stops: StopStringMatcher | None = None
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Job:
 class OpenAIServing:
     """The state and helpers both handlers use (``OpenAIServingCompletion``, ``OpenAIServingChat``)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: Optional[str] = None,
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
                  aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.llm = engine.engine
@@ -105,7 +105,7 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     # --------------------------------------------------------------- common
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)}",
@@ -173,7 +173,7 @@ class OpenAIServing:
                 t.cancel()
             job.abort()  # no-op for finished streams; frees the rest when the client went away
 
-    async def _collect(self, job: Job, http: HTTPRequest) -> Optional[list[RequestOutput]]:
+    async def _collect(self, job: Job, http: HTTPRequest) -> list[RequestOutput] | None:
         """Wait for every final output; None (and everything aborted) if the client disconnects first."""
         async def drain() -> None:
             async for _ in self._merged(job):

@@ -4,7 +4,7 @@ chat.completion JSON or chat.completion.chunk SSE events."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, str(e), param="messages") from e
 
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     truncate: Optional[int] = None) -> tuple[str, list[int]]:
+                     truncate: int | None = None) -> tuple[str, list[int]]:
         ids = self.chat_prompt_ids(messages, add_generation_prompt)
         if truncate is not None:  # vLLM's truncate_prompt_tokens: the last that many tokens
             ids = ids[-truncate:]
@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
         return envelope.body(choices, usage=self._usage(job))
 
     @staticmethod
-    def _chat_logprobs(token_ids: list[int], entries: Optional[list], top_n: int) -> list[dict[str, Any]]:
+    def _chat_logprobs(token_ids: list[int], entries: list | None, top_n: int) -> list[dict[str, Any]]:
         """OpenAI's chat ``logprobs.content``: each token with its ``top_n`` alternatives."""
         def item(lp: Logprob) -> dict[str, Any]:
             tok = lp.decoded_token or ""

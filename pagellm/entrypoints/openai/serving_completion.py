@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
@@ -66,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return envelope.body(choices, usage=usage)
 
     async def _completion_prompts(self, prompt: Any, add_special_tokens: bool = True,
-                                  truncate: Optional[int] = None) -> list[tuple[str, list[int]]]:
+                                  truncate: int | None = None) -> list[tuple[str, list[int]]]:
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             items = [prompt]
         else:
@@ -80,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.off_loop(self._tokenize_all, items, add_special_tokens, truncate)
 
     def _tokenize_all(self, items: list[Any], add_special_tokens: bool = True,
-                      truncate: Optional[int] = None) -> list[tuple[str, list[int]]]:
+                      truncate: int | None = None) -> list[tuple[str, list[int]]]:
         """(text, ids) of each prompt; ``truncate``: keep only the last that many tokens (vLLM's
         ``truncate_prompt_tokens``), the text then being theirs."""
         out = []
@@ -99,9 +99,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def _completion_logprobs(self, out: RequestOutput, c: CompletionOutput, echo: bool, echo_only: bool,
                              text_start: int = 0, token_start: int = 0) -> dict[str, list]:
         tokens: list[str] = []
-        token_lps: list[Optional[float]] = []
-        tops: list[Optional[dict[str, float]]] = []
-        entries: list[tuple[int, Optional[dict[int, Logprob]]]] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        entries: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             entries.extend(zip(out.prompt_token_ids, plp))

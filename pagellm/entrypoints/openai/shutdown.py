@@ -10,7 +10,6 @@ import logging
 import socket
 import time
 from types import FrameType
-from typing import Optional
 
 import uvicorn
 
@@ -40,7 +39,7 @@ class EngineServer(uvicorn.Server):
         self.shutdown_timeout = float(config.timeout_graceful_shutdown or 0.0)
         # (uvicorn annotates int | None, but passes it to asyncio.wait_for: any number of seconds)
         config.timeout_graceful_shutdown = self.shutdown_timeout + ABORT_GRACE_S  # type: ignore[assignment]
-        self._exit_asked_at: Optional[float] = None
+        self._exit_asked_at: float | None = None
         engine.fatal_callbacks.append(self._engine_failed)
 
     @property
@@ -48,13 +47,13 @@ class EngineServer(uvicorn.Server):
         """1 when the engine failed (a supervisor should restart the server), else 0."""
         return 1 if self.engine.fatal_error is not None else 0
 
-    def run(self, sockets: Optional[list[socket.socket]] = None) -> None:
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
         super().run(sockets)
         # The process exits next. Freed one by one at exit, the objects the model and torch leave
         # take seconds on a busy machine; frozen, the exit skips them and follows the last response.
         gc.freeze()
 
-    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._exit_asked_at is None:  # the grace period runs from the first signal
             self._exit_asked_at = time.monotonic()
         super().handle_exit(sig, frame)
@@ -62,7 +61,7 @@ class EngineServer(uvicorn.Server):
     def _engine_failed(self, error: BaseException) -> None:
         self.should_exit = True  # uvicorn's main loop sees it within 0.1 s
 
-    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         drain = asyncio.create_task(self._abort_after_grace_period())
         try:
             await super().shutdown(sockets)

@@ -28,12 +28,23 @@ from __future__ import annotations
 import torch
 
 from pagellm.model.attention.backend import AttentionBackend, AttentionConfig, KVCache, StepDriver
-from pagellm.model.attention.metadata import (AttentionMetadata, DecodeMetadata, OutputRows, PrefillSpan,
-                                              cascade_runs, choose_output_rows)
+from pagellm.model.attention.metadata import (
+    AttentionMetadata,
+    DecodeMetadata,
+    OutputRows,
+    PrefillSpan,
+    cascade_runs,
+    choose_output_rows,
+)
 from pagellm.model.attention.native_backend import DecodeBatch, NativeAttentionBackend
 from pagellm.model.attention.selector import BACKENDS, select_attention_backend
-from pagellm.model.attention.torch_backend import (BAG_MIN_BLOCK_SIZE, DecodeGroup, DecodeGroups,
-                                                   TorchAttentionBackend, decode_group)
+from pagellm.model.attention.torch_backend import (
+    BAG_MIN_BLOCK_SIZE,
+    DecodeGroup,
+    DecodeGroups,
+    TorchAttentionBackend,
+    decode_group,
+)
 
 __all__ = [
     "AttentionBackend", "AttentionConfig", "AttentionMetadata", "BACKENDS", "BAG_MIN_BLOCK_SIZE", "DecodeBatch",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -30,11 +30,11 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
 
     @classmethod
     def for_pools(cls, k_cache: torch.Tensor, num_heads: int,
-                  sliding_window: Optional[int] = None) -> "AttentionConfig":
+                  sliding_window: int | None = None) -> AttentionConfig:
         """The configuration of a key pool ``[num_blocks, num_kv_heads, head_dim, block_size]``."""
         _, num_kv_heads, head_dim, block_size = k_cache.shape
         return cls(k_cache.device, k_cache.dtype, num_heads, num_kv_heads, head_dim, block_size, sliding_window)
@@ -72,7 +72,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def unsupported(cls, config: AttentionConfig) -> Optional[str]:
+    def unsupported(cls, config: AttentionConfig) -> str | None:
         """Why this backend cannot run ``config``; None where it can. Asked once, at selection."""
 
     def describe(self) -> str:
@@ -98,12 +98,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, span: PrefillSpan, window: Optional[int], scale: float,
+                v_cache: torch.Tensor, span: PrefillSpan, window: int | None, scale: float,
                 out: torch.Tensor) -> None:
         """``out``'s rows of ``span`` = its queries attending causally over its context (its own K/V
         already in the pools; ``k``/``v``: the batch's new K/V, rows aligned with ``q``)."""
 
-    def step_driver(self, model: Any, kv_caches: list[KVCache]) -> Optional[StepDriver]:
+    def step_driver(self, model: Any, kv_caches: list[KVCache]) -> StepDriver | None:
         """A driver for ``model``'s decode-only steps over these pools where this backend has one for
         its layers (asked when the model meets new pools or tensors); None: the layers run one by one."""
         return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
@@ -53,11 +52,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     slot_blocks: torch.Tensor  # [num_tokens] int64: slot_mapping // block_size
     slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
-    decode: Optional[DecodeMetadata] = None  # the backend's own; None: no decodes this step
+    decode: DecodeMetadata | None = None  # the backend's own; None: no decodes this step
     prefills: list[PrefillSpan] = field(default_factory=list)
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     # The rows whose final hidden states the step uses; None: every row (see OutputRows).
-    output_rows: Optional[OutputRows] = None
+    output_rows: OutputRows | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -87,7 +86,7 @@ class OutputRows:
 
 
 def choose_output_rows(meta: AttentionMetadata, num_tokens: int, num_decodes: int,
-                       needed: list[int]) -> Optional[OutputRows]:
+                       needed: list[int]) -> OutputRows | None:
     """The rows the last layer must compute so that ``needed`` (flat-batch rows, any order, repeats
     allowed) get their final hidden states: the ``num_decodes`` one-token rows, which the batch puts
     first (all kept: nearly all are sampled), and, of each prefill, the rows from its first needed

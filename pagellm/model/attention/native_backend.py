@@ -12,15 +12,15 @@ the whole decode-only step can run in one call (``step_driver``: ``model/native_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, cast
+from typing import Any, cast
 
 import torch
 
 from pagellm.kernels import native
 from pagellm.model.attention.backend import AttentionBackend, AttentionConfig, KVCache, StepDriver
-from pagellm.model.attention.metadata import (AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor,
-                                              padded_tables)
+from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor, padded_tables
 from pagellm.model.attention.torch_backend import sdpa_prefill
 
 
@@ -34,7 +34,7 @@ class DecodeBatch(DecodeMetadata):
     scratch: torch.Tensor  # the kernel's working memory, shared by every layer
     # [runs, 3] int64 (begin, end, shared): runs of decodes whose first blocks are the same, read once
     # for the run (cascade attention, see native.paged_decode_attention); None: no such runs
-    cascade: Optional[torch.Tensor] = None
+    cascade: torch.Tensor | None = None
 
     @property
     def num(self) -> int:
@@ -42,7 +42,7 @@ class DecodeBatch(DecodeMetadata):
 
 
 def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   span: PrefillSpan, window: Optional[int], scale: float, out: torch.Tensor) -> None:
+                   span: PrefillSpan, window: int | None, scale: float, out: torch.Tensor) -> None:
     """One prefill on ``native.paged_prefill_attention`` (its K/V read from the pools)."""
     rows = out[span.q_start : span.q_start + span.q_len]  # written in place where the cache has the queries' dtype
     got = native.paged_prefill_attention(q[span.q_start : span.q_start + span.q_len], k_cache, v_cache,
@@ -62,7 +62,7 @@ class NativeAttentionBackend(AttentionBackend):
     name = "native"
 
     @classmethod
-    def unsupported(cls, config: AttentionConfig) -> Optional[str]:
+    def unsupported(cls, config: AttentionConfig) -> str | None:
         # (Device and dtype first: asking for the kernels compiles them.)
         if not native.supports(config.device, config.dtype):
             return (f"needs float32 or bfloat16 pools on the CPU and the native kernels (built on first use; "
@@ -108,11 +108,11 @@ class NativeAttentionBackend(AttentionBackend):
             rows.copy_(got)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, span: PrefillSpan, window: Optional[int], scale: float,
+                v_cache: torch.Tensor, span: PrefillSpan, window: int | None, scale: float,
                 out: torch.Tensor) -> None:
         self._prefill(q, k, v, k_cache, v_cache, span, window, scale, out)
 
-    def step_driver(self, model: Any, kv_caches: list[KVCache]) -> Optional[StepDriver]:
+    def step_driver(self, model: Any, kv_caches: list[KVCache]) -> StepDriver | None:
         """Every layer of a decode-only step in one native call, where all its kernels are the native
         ones (bfloat16 weights packed for the native linears, bfloat16 pools)."""
         from pagellm.model.native_decode import NativeDecoder  # (it imports this module)

@@ -9,14 +9,13 @@ flash kernel (``sdpa_prefill``, which the native backend also uses for shapes it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from pagellm.model.attention.backend import AttentionBackend, AttentionConfig
-from pagellm.model.attention.metadata import (AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor,
-                                              padded_tables)
+from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor, padded_tables
 
 # Below this block size, scoring keys in place costs more index memory than the keys themselves
 # (head_dim / block_size row ids per key and head), so small blocks gather their keys instead.
@@ -42,7 +41,7 @@ class DecodeGroup:
     tables: torch.Tensor  # [num, max_blocks] int64 block ids, padded
     # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
     # rows per (sequence, query head, block). None below BAG_MIN_BLOCK_SIZE (keys are gathered).
-    key_rows: Optional[torch.Tensor]  # [num * num_heads * max_blocks, head_dim] int64
+    key_rows: torch.Tensor | None  # [num * num_heads * max_blocks, head_dim] int64
     # Values viewed as (num_blocks * num_kv_heads * block_size, head_dim) rows, row (block, kv_head, t):
     # one bag of ctx rows per (sequence, query head).
     value_rows: torch.Tensor  # [num * num_heads, ctx] int64
@@ -60,7 +59,7 @@ class DecodeGroups(DecodeMetadata):
 
 
 def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_kv_heads: int,
-                 head_dim: int, num_heads: int, sliding_window: Optional[int]) -> DecodeGroup:
+                 head_dim: int, num_heads: int, sliding_window: int | None) -> DecodeGroup:
     """``tables``: [num, max_blocks] block ids, padded with any valid id; ``context_lens``: [num]."""
     num, max_blocks = tables.shape
     ctx = max_blocks * block_size
@@ -128,7 +127,7 @@ def _gather_values(v_cache: torch.Tensor, block_table: torch.Tensor, length: int
 
 
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 span: PrefillSpan, window: Optional[int], scale: float, out: torch.Tensor) -> None:
+                 span: PrefillSpan, window: int | None, scale: float, out: torch.Tensor) -> None:
     """One prefill through PyTorch's ``scaled_dot_product_attention`` (``AttentionBackend.prefill``)."""
     sl = slice(span.q_start, span.q_start + span.q_len)
     cached = span.context_len - span.q_len
@@ -168,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     @classmethod
-    def unsupported(cls, config: AttentionConfig) -> Optional[str]:
+    def unsupported(cls, config: AttentionConfig) -> str | None:
         return None
 
     def describe(self) -> str:
@@ -203,6 +202,6 @@ class TorchAttentionBackend(AttentionBackend):
             out[sl] = decode_attention(q[sl], k_cache, v_cache, g, scale).to(q.dtype)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, span: PrefillSpan, window: Optional[int], scale: float,
+                v_cache: torch.Tensor, span: PrefillSpan, window: int | None, scale: float,
                 out: torch.Tensor) -> None:
         sdpa_prefill(q, k, v, k_cache, v_cache, span, window, scale, out)

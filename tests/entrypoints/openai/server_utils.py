@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import httpx
 
@@ -16,7 +15,7 @@ from pagellm.entrypoints.openai.launch import free_port, wait_healthy
 
 
 class RemoteServer:
-    def __init__(self, model: Path, args: list[str], api_key: Optional[str] = None, timeout: float = 120) -> None:
+    def __init__(self, model: Path, args: list[str], api_key: str | None = None, timeout: float = 120) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -24,7 +23,7 @@ class RemoteServer:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagellm-server-{self.port}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed by stop())
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.url, self.proc, timeout)

@@ -210,13 +210,14 @@ def _long_body(stream: bool) -> dict:
 
 def test_client_disconnect_mid_stream_aborts_the_request(server):
     aborted = server.metric("pagellm_request_success_total", 'finished_reason="abort"')
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server.url + "/v1/completions", json=_long_body(True), headers=server.headers) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            got = [next(lines) for _ in range(6)]
-            assert any(line.startswith("data: ") for line in got)
-            assert server.metric("pagellm_num_requests_running") == 1
+    body, headers = _long_body(True), server.headers
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body,
+                                                       headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metric("pagellm_num_requests_running") == 1
     wait_idle(server)
     assert server.metric("pagellm_request_success_total", 'finished_reason="abort"') == aborted + 1
 
