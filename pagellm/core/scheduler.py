@@ -25,16 +25,15 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy
+from pagellm.core.runner_output import ModelRunnerOutput
+from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-# {token_id: (logprob, rank)}; rank 1 is the most likely token.
-TokenLogprobs = dict[int, tuple[float, int]]
 
 
 @dataclass
@@ -49,56 +48,6 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # swap, recompute, or auto (swap while the CPU pool has room)
     default_ttft_slo: float | None = None
     default_tpot_slo: float | None = None
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)``."""
-
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    block_table: list[int]
-    # True when this step reaches the sequence's last token, so it yields a new token.
-    sample: bool
-    # Prompt positions in this chunk whose next-token logprob is wanted: [from, to).
-    prompt_logprobs_range: tuple[int, int] | None = None
-    # n > 1: children that fork from this sequence once its prompt is done; each samples its
-    # own first token from the same logits.
-    fork_children: list[Sequence] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    # Sequences finished since the last step: the worker drops their per-sequence state.
-    finished_seq_ids: list[int] = field(default_factory=list)
-    # Block moves the worker runs before the forward pass, in this order:
-    # device -> CPU (swap out), CPU -> device (swap in), device -> device (copy-on-write).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to compute and no block to move."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None  # of the unprocessed distribution; None where the request scores nothing
-    top_logprobs: TokenLogprobs | None = None
-
-
-@dataclass
-class ModelRunnerOutput:
-    samples: dict[int, SampleResult] = field(default_factory=dict)
-    # seq_id -> logprobs of the prompt tokens at the positions asked for in this step.
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -319,7 +268,9 @@ class Scheduler:
     def _may_use_prefix_cache(seq: Sequence) -> bool:
         # Prompt logprobs need every prompt position computed: no skipping them via the cache.
         request = seq.request
-        return not (request.wants_prompt_logprobs and len(request.prompt_logprobs) < seq.num_prompt_tokens)
+        # (Positions [0, num_prompt_tokens - 1) score a token; a one-token prompt has none to skip.)
+        return not (request.wants_prompt_logprobs
+                    and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1))
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -328,8 +279,8 @@ class Scheduler:
         request = seq.request
         # Prompt logprobs come from the first sequence, once: a recompute skips them.
         if request.wants_prompt_logprobs and seq.index == 0:
-            # Position p's logits score prompt token p + 1; already done: len - 1 of them.
-            lo = max(start, len(request.prompt_logprobs) - 1 if request.prompt_logprobs else 0)
+            # Position p's logits score prompt token p + 1; positions below the watermark are done.
+            lo = max(start, request.num_scored_prompt_tokens)
             hi = min(end, seq.num_prompt_tokens - 1)
             if hi > lo:
                 lp_range = (lo, hi)
@@ -388,11 +339,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self.kv_cache_manager.cache_full_blocks(seq)
-            plps = result.prompt_logprobs.get(seq.seq_id)
-            if plps:
-                if not seq.request.prompt_logprobs:
-                    seq.request.prompt_logprobs.append(None)  # the first token has no logprob
-                seq.request.prompt_logprobs.extend(plps)
+            if item.prompt_logprobs_range is not None:  # the runner scored them; the engine keeps them
+                seq.request.num_scored_prompt_tokens = item.prompt_logprobs_range[1]
             if not item.sample:
                 continue
             for child in item.fork_children:  # before the parent may finish and free its blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagellm.outputs import RequestMetrics
 
@@ -71,11 +71,6 @@ class Sequence:
         # Prefix-cache hit of the first admission, in tokens (RequestOutput.num_cached_tokens).
         self.num_cached_tokens = 0
         self.was_admitted = False
-        # Engine-owned state: the detokenizer, and output_logprobs already converted for outputs
-        # (converted once each, so a long stream with logprobs costs linear, not quadratic, work).
-        self.detok: Any = None
-        self.logprobs_out: list[Any] = []
-        self.text = ""
 
     @property
     def params(self) -> SamplingParams:
@@ -135,9 +130,9 @@ class Request:
     # Children of an n > 1 request that fork from seqs[0] when its prompt is done.
     pending_children: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics = field(init=False)
-    # Prompt logprobs per prompt position (None for the first), filled during prefill.
-    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
-    prompt_logprobs_out: list[Any] = field(default_factory=list)  # converted by the engine, as above
+    # Prompt positions whose next-token logprob has been computed (prompt logprobs): positions
+    # [0, this) are done; the entries themselves go to the engine's output processor.
+    num_scored_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -23,8 +23,6 @@ class IncrementalDetokenizer:
         self._context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        # The sequence's stop-string search, kept across steps by the engine (None without stop strings).
-        self.stop_matcher: StopStringMatcher | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -13,7 +13,6 @@ import jinja2
 
 from pagellm.config import check_slo
 from pagellm.core.sequence import Request
-from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
@@ -131,8 +130,6 @@ class InputProcessor:
             ttft_slo=ttft_slo,
             tpot_slo=tpot_slo,
         )
-        for seq in request.seqs:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
 
     def check_prompt_length(self, num_tokens: int) -> None:

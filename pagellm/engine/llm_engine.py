@@ -12,7 +12,9 @@ import torch
 
 from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheStats, cdiv
-from pagellm.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagellm.core.runner_output import ModelRunnerOutput
+from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
 from pagellm.engine import startup
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
@@ -285,6 +287,7 @@ class LLMEngine:
             self.model_runner.execute(scheduler_output)
             return []
         result = self._execute(scheduler_output)
+        self.output_processor.add_prompt_logprobs(scheduler_output, result)
         touched = self.scheduler.update(scheduler_output, result)
         for observer in self.step_observers:
             observer.updated(self)
@@ -292,7 +295,7 @@ class LLMEngine:
             self.output_processor.detokenize(seq)
         return self._make_outputs(dict.fromkeys(seq.request for seq in touched))
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> Any:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self.step_observers:
             return self.model_runner.execute(scheduler_output)
         t0 = time.perf_counter()

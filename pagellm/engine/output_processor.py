@@ -1,19 +1,46 @@
 """Output processing: each step's new tokens -> text (incremental detokenizing, stop strings) and
-the ``RequestOutput`` a caller reads."""
+the ``RequestOutput`` a caller reads.
+
+Everything about text and presentation lives here, not in core: per sequence, its detokenizer, text,
+stop-string matcher and converted logprobs (``SeqOutputState``); per request, its prompt logprobs.
+Both are keyed weakly by the core objects, so they go when core (and the caller) drop them.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from pagellm.core.scheduler import TokenLogprobs
+from pagellm.core.runner_output import ModelRunnerOutput, TokenLogprobs
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
-from pagellm.engine.detokenizer import StopStringMatcher
-from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagellm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from pagellm.sampling_params import RequestOutputKind
 
 # Ends a sequence that a stop string completed (the scheduler's finish_seq).
 FinishSeq = Callable[[Sequence, SequenceStatus], None]
+
+
+class SeqOutputState:
+    """One sequence's presentation state: its text so far and what makes it."""
+
+    def __init__(self, tokenizer: Any, seq: Sequence) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids, seq.params.skip_special_tokens)
+        self.text = ""
+        # The sequence's stop-string search, kept across steps (None until a stop string needs it).
+        self.stop_matcher: StopStringMatcher | None = None
+        # seq.output_logprobs already converted (once each, so a long stream with logprobs costs
+        # linear, not quadratic, work).
+        self.logprobs: SampleLogprobs = []
 
 
 class OutputProcessor:
@@ -23,6 +50,36 @@ class OutputProcessor:
         # Decoding several tokens at once gives the streamed text unless the tokenizer cleans up spaces
         # around punctuation ("do" "n't"), which depends on where a decoded window starts.
         self.decode_at_end_matches_stream = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._seq_states: weakref.WeakKeyDictionary[Sequence, SeqOutputState] = weakref.WeakKeyDictionary()
+        # Per request: its prompt logprobs, converted, None first (the first token has none).
+        self._prompt_logprobs: weakref.WeakKeyDictionary[Request, PromptLogprobs] = weakref.WeakKeyDictionary()
+
+    def state(self, seq: Sequence) -> SeqOutputState:
+        """``seq``'s presentation state, made on first use."""
+        state = self._seq_states.get(seq)
+        if state is None:
+            state = self._seq_states[seq] = SeqOutputState(self.tokenizer, seq)
+        return state
+
+    def text(self, seq: Sequence) -> str:
+        """The text of ``seq`` so far ("" before any)."""
+        state = self._seq_states.get(seq)
+        return state.text if state is not None else ""
+
+    def add_prompt_logprobs(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Keep the prompt logprobs the runner computed this step (call before ``Scheduler.update``:
+        the chunks of sequences still running, as the scheduler counts them)."""
+        if not result.prompt_logprobs:
+            return
+        for item in scheduler_output.scheduled:
+            entries = result.prompt_logprobs.get(item.seq.seq_id)
+            if not entries or item.seq.status is not SequenceStatus.RUNNING:
+                continue
+            request = item.seq.request
+            converted = self._prompt_logprobs.get(request)
+            if converted is None:
+                converted = self._prompt_logprobs[request] = [None]  # the first token has no logprob
+            converted.extend(self._convert(entries))
 
     def detokenize(self, seq: Sequence) -> None:
         """Add the text of the sequence's new tokens; end it where they complete a stop string."""
@@ -32,37 +89,41 @@ class OutputProcessor:
         if (params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings and not seq.is_finished
                 and self.decode_at_end_matches_stream):
             return  # nobody reads the text before the end and no stop string needs it: decode once then
-        pending = seq.output_token_ids[seq.detok.num_tokens:]
+        state = self.state(seq)
+        detok = state.detok
+        pending = seq.output_token_ids[detok.num_tokens:]
         ended_by_token = seq.status is SequenceStatus.FINISHED_STOPPED
         if ended_by_token and not params.include_stop_str_in_output:
             pending = pending[:-1]  # the EOS or stop token adds no text
             if not pending:
                 return
-        delta = seq.detok.add_tokens(pending)
+        delta = detok.add_tokens(pending)
         if seq.is_finished and not (ended_by_token and not params.include_stop_str_in_output):
-            delta += seq.detok.flush()
+            delta += detok.flush()
         if not delta:
             return
-        seq.text += delta
+        state.text += delta
         if params.stop_strings:
-            matcher = seq.detok.stop_matcher
+            matcher = state.stop_matcher
             if matcher is None:
-                matcher = seq.detok.stop_matcher = StopStringMatcher(params.stop_strings, params.stop_tables)
+                matcher = state.stop_matcher = StopStringMatcher(params.stop_strings, params.stop_tables)
             # Fed every delta (before min_tokens too), so that it examines only the new text.
             hit = matcher.feed(delta)
             if hit is not None and not seq.is_finished and seq.num_output_tokens >= params.min_tokens:
                 stop, idx = hit
-                seq.text = seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+                state.text = state.text[: idx + len(stop)] if params.include_stop_str_in_output else state.text[:idx]
                 seq.stop_reason = stop
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
 
-    def _logprobs(
-        self, entries: list[TokenLogprobs | None], converted: list[Any]
-    ) -> list[dict[int, Logprob] | None]:
-        """``entries`` as Logprob dicts; ``converted`` caches earlier calls, so each entry is decoded once."""
+    def _convert(self, entries: list[TokenLogprobs]) -> SampleLogprobs:
+        """``entries`` as Logprob dicts."""
         decode = self.tokenizer.decode
-        for e in entries[len(converted):]:
-            converted.append(None if e is None else {t: Logprob(lp, rank, decode([t])) for t, (lp, rank) in e.items()})
+        return [{t: Logprob(lp, rank, decode([t])) for t, (lp, rank) in e.items()} for e in entries]
+
+    def _logprobs(self, seq: Sequence) -> SampleLogprobs:
+        """``seq``'s output logprobs as Logprob dicts, converting only those not converted yet."""
+        converted = self.state(seq).logprobs
+        converted.extend(self._convert(seq.output_logprobs[len(converted):]))
         return list(converted)
 
     def make_output(self, request: Request) -> RequestOutput:
@@ -76,11 +137,10 @@ class OutputProcessor:
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=seq.text,
+                    text=self.text(seq),
                     token_ids=list(seq.output_token_ids),
                     cumulative_logprob=seq.cumulative_logprob if params.scores_samples else None,
-                    logprobs=(self._logprobs(seq.output_logprobs, seq.logprobs_out)  # type: ignore[arg-type]
-                              if params.logprobs is not None else None),
+                    logprobs=self._logprobs(seq) if params.logprobs is not None else None,
                     finish_reason=seq.status.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -90,7 +150,7 @@ class OutputProcessor:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=(self._logprobs(request.prompt_logprobs, request.prompt_logprobs_out)
+            prompt_logprobs=(list(self._prompt_logprobs.get(request, ()))
                              if request.wants_prompt_logprobs else None),
             outputs=completions,
             finished=request.is_finished,

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from pagellm.core.scheduler import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from pagellm.core.runner_output import ModelRunnerOutput, TokenLogprobs
+from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Sequence
 from pagellm.model.attention import (
     AttentionConfig,

@@ -7,7 +7,7 @@ from typing import cast
 
 import torch
 
-from pagellm.core.scheduler import SampleResult, TokenLogprobs
+from pagellm.core.runner_output import SampleResult, TokenLogprobs
 from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
 from pagellm.sampling_params import SamplingParams

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pagellm.core.scheduler import ModelRunnerOutput, SampleResult, Scheduler, SchedulerOutput
+from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
+from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.scheduler import Scheduler
 
 
 class FakeClock:

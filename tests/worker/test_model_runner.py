@@ -9,7 +9,7 @@ import torch
 
 import pagellm.worker.model_runner as model_runner
 from pagellm import LLM, SamplingParams
-from pagellm.core.scheduler import ScheduledSeq
+from pagellm.core.sched_output import ScheduledSeq
 from pagellm.kernels import native
 from pagellm.model.attention import DecodeBatch
 from pagellm.worker.cache_engine import CacheEngine

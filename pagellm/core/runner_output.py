@@ -1,0 +1,24 @@
+"""What the model runner hands back each step, to the scheduler (samples) and to the engine's output
+processor (logprobs); as vLLM's ``v1/outputs.py``. Plain data: no torch, so core can import it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# {token_id: (logprob, rank)}; rank 1 is the most likely token.
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # of the unprocessed distribution; None where the request scores nothing
+    top_logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    samples: dict[int, SampleResult] = field(default_factory=dict)
+    # seq_id -> logprobs of the prompt tokens at the positions asked for in this step
+    # (``ScheduledSeq.prompt_logprobs_range``); read by the engine's output processor only.
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
