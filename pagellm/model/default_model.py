@@ -72,21 +72,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
 def build_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, **config_overrides: Any) -> Path:
     """Save a random-weight ``transformers`` model plus the embedded tokenizer into ``folder``."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }
-    config_cls, model_cls = classes[architecture]
+    # ``architecture`` is a transformers model_type: llama, mistral, qwen2, qwen3, gemma2, gemma3_text,
+    # phi3, mixtral, qwen3_moe, ...
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
     settings: dict[str, Any] = dict(
@@ -103,9 +92,9 @@ def build_checkpoint(folder: Path, architecture: str = "llama", seed: int = 0, *
         tie_word_embeddings=False,
     )
     settings.update(config_overrides)
-    config = config_cls(**settings)
+    config = AutoConfig.for_model(architecture, **settings)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # transformers starts biases at zero; trained ones are not, and tests should see them
         for name, param in model.named_parameters():
             if name.endswith(".bias"):

@@ -1,7 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-Differences between the three are config switches: Qwen2 has biases on q/k/v,
-Mistral may use a sliding window, any of them may tie the LM head to the embedding.
+Differences between them are config switches: Qwen2 has biases on q/k/v, Qwen3 normalizes each
+query and key head (q_norm, k_norm) before the rotation, Mistral may use a sliding window, any of
+them may tie the LM head to the embedding. The other families (gemma.py, phi3.py, moe.py) reuse
+these pieces and change what differs.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ def head_dim_of(config: Any) -> int:
 
 def sliding_window_of(config: Any) -> int | None:
     """The attention window in tokens, or None for full attention."""
-    if getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None) or None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -40,7 +43,28 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.rotary = rotary
+        # Qwen3: an RMSNorm over each query and key head, before the rotation.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.backend: AttentionBackend | None = None  # LlamaForCausalLM.set_attention_backend
+
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (num_tokens, hidden) -> rotated q (num_tokens, num_heads, head_dim), rotated k and v
+        (num_tokens, num_kv_heads, head_dim)."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        rotated = self.q_norm is None and self.rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
+        return q, k, v
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -49,15 +73,7 @@ class Attention(nn.Module):
         """Every row's K/V is stored; with ``keep``, only its rows are attended and returned."""
         backend = self.backend
         assert backend is not None, "the model runner sets the attention backend (set_attention_backend)"
-        n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        rotated = self.rotary.rotate_qk_(positions, qkv, self.num_heads, self.num_kv_heads)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if not rotated:
-            q, k = self.rotary(positions, q, k)
+        q, k, v = self.project_qkv(positions, x)
         if keep is None:
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
@@ -75,7 +91,8 @@ class DecoderLayer(nn.Module):
         attention_bias = bool(getattr(config, "attention_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, qkv_bias=is_qwen2 or attention_bias,
-                                   o_bias=attention_bias and not is_qwen2)
+                                   o_bias=attention_bias and not is_qwen2,
+                                   qk_norm=getattr(config, "model_type", "") == "qwen3")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
@@ -102,6 +119,10 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; ``forward`` takes one flat batch of tokens."""
 
+    # Whether the native step driver (native_decode.py: the layers of this class, as they are here) may
+    # run this model's decode steps; families that change a layer turn it off.
+    native_step_driver = True
+
     # HF checkpoint name -> (our fused parameter, shard index) for fused projections.
     stacked_params = {
         "q_proj": ("qkv_proj", 0),
@@ -122,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if getattr(config, "model_type", "") == "qwen3":
+            self.native_step_driver = False  # (the driver has no per-head q/k norms)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

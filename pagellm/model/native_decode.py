@@ -76,8 +76,8 @@ class NativeDecoder:
         bf16 = torch.bfloat16
         k0, v0 = kv_caches[0] if kv_caches else (None, None)
         # Device and dtype first: asking for the native kernels would compile them (not for a GPU).
-        if (k0 is None or v0 is None or k0.device.type != "cpu" or k0.dtype != bf16
-                or len(kv_caches) != len(model.layers)
+        if (not getattr(model, "native_step_driver", False) or k0 is None or v0 is None
+                or k0.device.type != "cpu" or k0.dtype != bf16 or len(kv_caches) != len(model.layers)
                 or not native.linear_supported() or not native.supports(k0.device, k0.dtype)):
             return None
         first = model.layers[0]
