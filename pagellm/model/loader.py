@@ -1,10 +1,12 @@
-"""Hugging Face folder -> config + model with weights (safetensors, single or sharded), or dummy weights."""
+"""A model path -> config + model with weights: a Hugging Face folder (safetensors, single or sharded),
+a GGUF file (gguf_file.py), or dummy weights."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from pagellm.config import DTYPE_CHOICES
+from pagellm.model import gguf_file
 from pagellm.model.packed_linear import pack_linear_layers
 from pagellm.model.registry import model_class_for
 
@@ -52,12 +55,48 @@ def cpu_has_bf16() -> bool:
     return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's parts are: ``folder`` holds config.json, the tokenizer and generation_config.json
+    (for a GGUF file, the folder prepared from its metadata); the weights are the folder's safetensors,
+    or ``gguf``."""
+
+    path: Path  # what the user named
+    folder: Path
+    gguf: Path | None = None
+
+    @property
+    def tokenizer_folder(self) -> Path:
+        """Tokenizer files beside a GGUF file take precedence over the ones in its metadata."""
+        if self.gguf is not None and any((self.gguf.parent / n).is_file() for n in gguf_file.TOKENIZER_FILES):
+            return self.gguf.parent
+        return self.folder
+
+    @property
+    def generation_config_folder(self) -> Path:
+        """A generation_config.json beside a GGUF file takes precedence over the ids in its metadata."""
+        if self.gguf is not None and (self.gguf.parent / "generation_config.json").is_file():
+            return self.gguf.parent
+        return self.folder
+
+
+def resolve_model_files(path: str | Path) -> ModelFiles:
+    """A Hugging Face folder or a GGUF file; FileNotFoundError / ValueError saying what to pass instead."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        if not gguf_file.is_gguf_file(p):
+            raise ValueError(f"model path {str(p)!r} is a file but not a GGUF file: pass a .gguf file or the "
+                             "Hugging Face folder that holds config.json")
+        return ModelFiles(p, gguf_file.prepared_folder(p), p)
+    return ModelFiles(p, check_model_folder(p))
+
+
 def check_model_folder(path: str | Path) -> Path:
     folder = Path(path).expanduser()
     if not folder.exists():
         raise FileNotFoundError(
-            f"model folder {str(folder)!r} does not exist: pass a local Hugging Face model folder "
-            "(config.json + *.safetensors); pagellm does not download from a hub"
+            f"model path {str(folder)!r} does not exist: pass a local Hugging Face model folder "
+            "(config.json + *.safetensors) or a .gguf file; pagellm does not download from a hub"
         )
     if not folder.is_dir():
         raise NotADirectoryError(f"model path {str(folder)!r} is a file; pass the folder that holds config.json")
@@ -142,7 +181,7 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    folder: Path, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int
+    files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int
 ) -> nn.Module:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -161,7 +200,9 @@ def load_model(
                 p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
     else:
         with torch.no_grad():
-            model.load_weights(iterate_weights(folder))
+            weights = (gguf_file.iterate_weights(files.gguf, config, dtype) if files.gguf is not None
+                       else iterate_weights(files.folder))
+            model.load_weights(weights)
     model.eval()
     pack_linear_layers(model, dtype, device)
     return model

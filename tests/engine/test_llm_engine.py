@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -193,3 +194,14 @@ def test_tokenizers_that_clean_up_spaces_are_decoded_as_they_stream(llama_path, 
         for out in engine.step():
             streamed = out.outputs[0].text
     assert final.outputs[0].text == streamed
+
+
+def test_the_model_length_limit_is_lowered_to_what_the_kv_cache_holds(llama_path, caplog):
+    """Without --max-model-len, the model's own limit (2048 here) is served as far as the KV cache
+    holds it, with a log line; an asked length that does not fit stays an error."""
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.llm_engine"):
+        llm = LLM(str(llama_path), num_kv_blocks=8, block_size=16)
+    assert llm.llm_engine.max_model_len == 128
+    assert any("does not fit the KV cache of 128 tokens" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="one sequence of max_model_len=256 needs 16 blocks"):
+        LLM(str(llama_path), num_kv_blocks=8, block_size=16, max_model_len=256)

@@ -1,0 +1,167 @@
+"""GGUF files (llama.cpp's single-file format): config, tokenizer and weights.
+
+The file is read with the ``gguf`` package (llama.cpp's own reader and dequantizers), and its
+metadata is turned into a Hugging Face config and tokenizer by transformers' GGUF support, the same
+code ``from_pretrained(folder, gguf_file=...)`` runs. Turning 50k-token vocabularies into a
+tokenizer takes seconds, so the result (config.json, tokenizer files with the chat template,
+generation_config.json with every end-of-generation id) is written once per file into
+``$PAGELLM_CACHE_DIR/gguf/`` and the rest of the engine reads that folder as it reads any
+Hugging Face folder; only the weights come from the GGUF file itself.
+
+Weights are dequantized at load into the model's dtype (``gguf.dequantize``), tensor by tensor,
+through transformers' name map and per-architecture fixes (llama.cpp permutes Llama's q/k rows for
+its rotary layout and stores Gemma's norms as 1 + w; both are undone there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> the transformers model_type it becomes (llama.cpp tags Mistral as llama).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+
+# The tensor types of llama.cpp's common files, which gguf's dequantizers turn into floats.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# Ids that end a generation besides tokenizer.ggml.eos_token_id (Llama 3's <|eot_id|>, <|eom_id|>).
+END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# Bumped when what the prepared folder holds changes: older folders are then rebuilt.
+PREPARED_FORMAT = 1
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its magic bytes, whatever its name)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _cache_root() -> Path:
+    from pagellm.model.default_model import cache_dir
+
+    return cache_dir() / "gguf"
+
+
+def prepared_folder(gguf_path: Path) -> Path:
+    """The folder with the file's config, tokenizer and generation config, built on first use."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARED_FORMAT}".encode())
+    target = _cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("reading the config and tokenizer of %s (first use of this file; kept in %s)", gguf_path.name, target)
+    # Built beside the target and renamed: a crash or a concurrent start never leaves half a folder.
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        _write_prepared(gguf_path, tmp)
+        with contextlib.suppress(OSError):  # another process won the race
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_prepared(gguf_path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot read the GGUF file {gguf_path}: {e} (is it truncated?)") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; pagellm runs GGUF "
+                         f"files of: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    check_tensor_types(reader, gguf_path)
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read the model settings of {gguf_path}: {e}") from e
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    # Quantized weights carry no compute dtype: --dtype auto takes bfloat16 where the CPU computes it
+    # natively, else float32 (loader.resolve_dtype).
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out))
+    stops = sorted({int(v) for key in END_OF_GENERATION_KEYS if (v := _field(reader, key)) is not None})
+    generation = {"eos_token_id": stops} if stops else {}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def check_tensor_types(reader: Any, gguf_path: Path) -> None:
+    """ValueError naming the tensors whose types the dequantizers do not take, and the ones they do."""
+    bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors
+           if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(f"{gguf_path.name} has tensors of types pagellm cannot load: {', '.join(bad[:3])}{more}; "
+                         f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+
+
+def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face weight name, tensor in ``dtype``) for every tensor of the file, dequantized one
+    at a time."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = GGUFReader(str(gguf_path))
+    check_tensor_types(reader, gguf_path)
+    arch = _field(reader, "general.architecture")
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    with torch.device("meta"):  # only its parameter names are read: no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    # Processors of MoE files put the experts they split straight into parsed["tensors"].
+    parsed: dict[str, Any] = {"config": config.to_dict(), "tensors": {}}
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", dynamic_ncols=True,
+                       disable=gguf_path.stat().st_size < 256 * 2**20):
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
+                                   parsed_parameters=parsed)
+        if result.name in name_map:
+            yield name_map[result.name], torch.from_numpy(np.array(result.weights, copy=True)).to(dtype)
+        for name, value in parsed["tensors"].items():
+            yield name, (value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))).to(dtype)
+        parsed["tensors"].clear()

@@ -1,0 +1,153 @@
+"""GGUF files: the embedded SmolLM2-135M-Instruct against transformers on the same file, and clear
+errors for what pagellm cannot load."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.model import gguf_file
+from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
+from tests.helpers import assert_all_blocks_free
+
+SMOLLM2 = embedded_gguf_path()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None,
+                                   reason=f"the embedded model wheel is missing: {DEFAULT_MODEL_INSTALL}")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, a small engine",
+]
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "She sells sea shells by the sea shore.",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another one?"}],
+]
+
+
+@lru_cache(maxsize=1)
+def hf_gguf(path: Path):
+    """transformers' own loading of the file (its GGUF support, float32), and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    assert SMOLLM2 is not None
+    return LLM(str(SMOLLM2), dtype="float32", kv_cache_memory="1GiB")
+
+
+@needs_smollm2
+def test_greedy_continuations_match_transformers_on_the_same_file(smollm2):
+    assert SMOLLM2 is not None
+    model, tokenizer = hf_gguf(SMOLLM2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = smollm2.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == want, prompt
+    assert_all_blocks_free(smollm2)
+
+
+@needs_smollm2
+def test_chat_template_renders_the_same_token_ids(smollm2):
+    assert SMOLLM2 is not None
+    _, tokenizer = hf_gguf(SMOLLM2)
+    for messages in CONVERSATIONS:
+        want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert smollm2.llm_engine.apply_chat_template(messages) == list(want)
+        # The model's default system message is there when the conversation has none.
+        assert "<|im_start|>system" in tokenizer.decode(want)
+
+
+@needs_smollm2
+def test_log_likelihoods_agree_with_transformers(smollm2):
+    """lm-eval's loglikelihood: the sum of each sentence token's log-probability."""
+    assert SMOLLM2 is not None
+    model, tokenizer = hf_gguf(SMOLLM2)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for sentence, out in zip(SENTENCES, smollm2.generate(SENTENCES, params, use_tqdm=False)):
+        ids = out.prompt_token_ids
+        ours = sum(out.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i > 0)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).sum().item()
+        assert abs(ours - lp) < 1e-3, sentence
+
+
+@needs_smollm2
+def test_chat_stops_at_the_end_of_turn_and_skips_special_tokens(smollm2):
+    out = smollm2.chat(CONVERSATIONS[0], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert "Paris" in out.text and "<|im_end|>" not in out.text
+    assert smollm2.llm_engine.tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.llm_engine.eos_token_ids
+
+
+@needs_smollm2
+def test_the_default_max_model_len_is_the_file_context_length(smollm2):
+    assert smollm2.llm_engine.max_model_len == 8192  # llama.context_length
+
+
+# ------------------------------------------------------------------ errors
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]]) -> Path:
+    """A minimal GGUF file: the architecture tag and raw tensors (data, GGML type or None for float32)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    for name, (data, raw_type) in tensors.items():
+        if raw_type is None:
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "bert", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    with pytest.raises(ValueError, match=r"GGUF architecture 'bert' is not supported.*gemma2.*llama.*qwen3"):
+        LLM(str(path))
+
+
+def test_an_unsupported_tensor_type_is_named_with_the_supported_ones(tmp_path):
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ4_NL]
+    raw = np.zeros((4, 64 // block * size), np.uint8)  # 4 rows of 64 IQ4_NL values
+    path = write_gguf(tmp_path / "m.gguf", "llama", {"blk.0.attn_q.weight": (raw, GGMLQuantizationType.IQ4_NL)})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight \(IQ4_NL\).*supported: F32, F16, BF16, Q8_0"):
+        LLM(str(path))
+
+
+def test_a_file_that_is_not_gguf_says_what_to_pass(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a GGUF file: pass a .gguf file or the Hugging Face folder"):
+        LLM(str(path))
+    assert not gguf_file.is_gguf_file(path)
