@@ -107,6 +107,10 @@ def _write_prepared(gguf_path: Path, out: Path) -> None:
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read the model settings of {gguf_path}: {e}") from e
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is not None and hasattr(config, "head_dim"):
+        # transformers leaves Qwen3's head_dim at its config default; the file states it.
+        config.head_dim = int(head_dim)
     # Quantized weights carry no compute dtype: --dtype auto takes bfloat16 where the CPU computes it
     # natively, else float32 (loader.resolve_dtype).
     config.dtype = "bfloat16"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from pagellm import LLM, CompletionOutput, RequestOutput, SamplingParams
+from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
 from tests.helpers import assert_all_blocks_free
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -15,11 +18,27 @@ def llm(llama_path):
     return LLM(str(llama_path), max_model_len=128, num_kv_blocks=64)
 
 
-def test_default_model_is_built_locally_and_generates():
+@pytest.mark.skipif(embedded_gguf_path() is None,
+                    reason=f"the embedded model is not installed: {DEFAULT_MODEL_INSTALL}")
+def test_the_default_model_is_smollm2_and_answers_in_english():
     llm = LLM()  # the embedded default, every setting at its default
     engine = llm.llm_engine
-    assert engine.model_path.name == "pagellm-tiny-llama-v1"
-    assert engine.max_model_len == 2048 and engine.block_size == 16
+    assert engine.model_path == embedded_gguf_path()
+    assert engine.max_model_len == 8192 and engine.block_size == 16
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+    assert_all_blocks_free(llm)
+
+
+def test_without_the_model_wheel_the_tiny_model_is_the_default(monkeypatch, caplog):
+    from pagellm.model import default_model
+
+    monkeypatch.setattr(default_model, "embedded_gguf_path", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="pagellm.model.default_model"):
+        llm = LLM(max_model_len=128)
+    assert llm.llm_engine.model_path.name == "pagellm-tiny-llama-v1"
+    assert any(DEFAULT_MODEL_INSTALL in r.getMessage() for r in caplog.records)
     (out,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text
     assert_all_blocks_free(llm)

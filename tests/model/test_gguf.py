@@ -151,3 +151,35 @@ def test_a_file_that_is_not_gguf_says_what_to_pass(tmp_path):
     with pytest.raises(ValueError, match="not a GGUF file: pass a .gguf file or the Hugging Face folder"):
         LLM(str(path))
     assert not gguf_file.is_gguf_file(path)
+
+
+# ------------------------------------------------------------------ tiny GGUF files of each family
+
+GGUF_FAMILIES = {
+    "llama": dict(num_key_value_heads=2, initializer_range=0.2),
+    "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.2),
+    # head_dim 128: transformers' GGUF reader leaves Qwen3's head_dim at its default.
+    "qwen3": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128, initializer_range=0.2),
+}
+
+
+@pytest.mark.parametrize(("family", "qtype"), [("llama", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q5_1"),
+                                               ("qwen3", "F16"), ("qwen3", "Q4_1")])
+def test_tiny_gguf_files_match_transformers_on_the_same_file(tmp_path, family, qtype):
+    from pagellm.model.default_model import build_checkpoint
+    from tests.model.gguf_writer import write_gguf
+
+    folder = build_checkpoint(tmp_path / family, family, seed=5, **GGUF_FAMILIES[family])
+    path = write_gguf(folder, tmp_path / f"{family}-{qtype}.gguf", qtype)
+    model, _ = hf_gguf(path)
+    prompts = [[5, 9, 200, 17], list(range(30, 70))]
+    llm = LLM(str(path), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want
+    assert_all_blocks_free(llm)
