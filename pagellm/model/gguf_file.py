@@ -21,6 +21,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# GGUF metadata key (after "<arch>.") -> config attribute.
+STATED_SIZES = {"attention.key_length": "head_dim", "expert_count": "num_local_experts",
+                "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size"}
 # Bumped when what the prepared folder holds changes: older folders are then rebuilt.
 PREPARED_FORMAT = 1
 
@@ -107,10 +111,11 @@ def _write_prepared(gguf_path: Path, out: Path) -> None:
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read the model settings of {gguf_path}: {e}") from e
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    head_dim = _field(reader, f"{arch}.attention.key_length")
-    if head_dim is not None and hasattr(config, "head_dim"):
-        # transformers leaves Qwen3's head_dim at its config default; the file states it.
-        config.head_dim = int(head_dim)
+    # Sizes the file states but transformers' GGUF reader leaves at the config class's defaults.
+    for key, attribute in STATED_SIZES.items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and hasattr(config, attribute):
+            setattr(config, attribute, int(value))
     # Quantized weights carry no compute dtype: --dtype auto takes bfloat16 where the CPU computes it
     # natively, else float32 (loader.resolve_dtype).
     config.dtype = "bfloat16"
@@ -157,15 +162,19 @@ def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype) -> Iterato
     with torch.device("meta"):  # only its parameter names are read: no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     name_map = get_gguf_hf_weights_map(skeleton, processor)
-    # Processors of MoE files put the experts they split straight into parsed["tensors"].
+    # Processors of MoE files put the experts straight into parsed["tensors"], gate and up of a layer
+    # filling halves of one tensor from two GGUF tensors: each is handed on once its last part is in.
     parsed: dict[str, Any] = {"config": config.to_dict(), "tensors": {}}
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", dynamic_ncols=True,
-                       disable=gguf_path.stat().st_size < 256 * 2**20):
+    targets = [name_map.get(t.name) or name_map.get(t.name.rsplit(".", 1)[0]) for t in reader.tensors]
+    parts_left = Counter(targets)
+    for tensor, target in tqdm(list(zip(reader.tensors, targets)), desc="Loading GGUF weights", unit="tensor",
+                               dynamic_ncols=True, disable=gguf_path.stat().st_size < 256 * 2**20):
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                    parsed_parameters=parsed)
         if result.name in name_map:
             yield name_map[result.name], torch.from_numpy(np.array(result.weights, copy=True)).to(dtype)
-        for name, value in parsed["tensors"].items():
+        parts_left[target] -= 1
+        for name in [n for n in parsed["tensors"] if parts_left[n] <= 0]:
+            value = parsed["tensors"].pop(name)
             yield name, (value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))).to(dtype)
-        parsed["tensors"].clear()

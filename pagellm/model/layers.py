@@ -63,47 +63,121 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (neox-style rotate-half)."""
+    """Precomputed cos/sin tables indexed by absolute position (neox-style rotate-half) over the first
+    ``rotary_dim`` dims of each head: all of them, or ``partial_rotary_factor`` of them where a scaled
+    variant (transformers' functions) says so; the other dims pass through unrotated."""
 
     # Buffers (register_buffer in __init__), declared for the type checker.
     cos: torch.Tensor
     sin: torch.Tensor
 
+    # The rope types this class builds (a subclass for a family with more widens it).
+    rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+
     def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)
         rope_type = params["rope_type"]
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if rope_type == "default":
-            base = float(params["rope_theta"])
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            scaling = 1.0
-        else:
-            # The scaled variants are transformers' own functions: one source of truth.
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if rope_type not in self.rope_types:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(self.rope_types)}")
+        self.head_dim = head_dim
+        cos, sin = self.build_tables(config, params, head_dim, max_position)  # (rows, rotary_dim) each
+        self.rotary_dim = cos.shape[-1]
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())  # (max_position, head_dim / 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+    def build_tables(self, config: Any, params: dict, head_dim: int, max_position: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and sin tables, (max_position, rotary_dim) each."""
+        if params["rope_type"] == "default":
+            return rotary_tables(default_inv_freq(float(params["rope_theta"]), head_dim), 1.0, max_position)
+        # The scaled variants are transformers' own functions: one source of truth.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+        return rotary_tables(inv_freq, scaling, max_position)
 
     def rotate_qk_(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
         """In place on a fused projection's q and k columns (its first heads), by the native kernel;
         False where it does not apply (then use ``forward``)."""
-        return native.rotary_(qkv, num_heads + num_kv_heads, self.cos.shape[-1], positions, self.cos, self.sin)
+        if self.rotary_dim != self.head_dim:
+            return False  # the kernel rotates whole heads
+        return native.rotary_(qkv, num_heads + num_kv_heads, self.head_dim, positions, self.cos, self.sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (num_tokens, 1, head_dim)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (num_tokens, 1, rotary_dim)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class Phi3RotaryEmbedding(RotaryEmbedding):
+    """Phi3's rules: the default rope too rotates only ``partial_rotary_factor`` of each head's dims,
+    and "longrope" has two sets of frequencies, short (sequences up to original_max_position_embeddings
+    tokens) and long, both scaled by its attention factor.
+
+    Under longrope the tables stack the short rows (positions below the original length, the only ones
+    a short sequence has) and then the long rows (every position); ``table_rows`` gives each token its
+    row from how long its sequence is in the step, and the model passes those rows as positions.
+    """
+
+    rope_types = ("default", "longrope")
+
+    # longrope: sequences longer than this read the long rows, from row long_offset on; None: one table.
+    long_from: int | None = None
+    long_offset: int = 0
+
+    def build_tables(self, config: Any, params: dict, head_dim: int, max_position: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (transformers < 5 keeps the factor beside the rope settings, not among them)
+        factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        rotary_dim = int(head_dim * float(factor))
+        if params["rope_type"] == "default":
+            return rotary_tables(default_inv_freq(float(params["rope_theta"]), rotary_dim), 1.0, max_position)
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        longrope = ROPE_INIT_FUNCTIONS["longrope"]
+        original = int(params["original_max_position_embeddings"])
+        # Without seq_len it gives the short factors (and the attention factor both sets use).
+        short_freq, scaling = longrope(config, torch.device("cpu"))
+        short = rotary_tables(short_freq, scaling, min(original, max_position))
+        if max_position <= original:
+            return short  # no sequence gets longer than the original length
+        long_freq, _ = longrope(config, torch.device("cpu"), seq_len=original + 1)
+        long = rotary_tables(long_freq, scaling, max_position)
+        self.long_from, self.long_offset = original, original
+        return torch.cat((short[0], long[0])), torch.cat((short[1], long[1]))
+
+    def table_rows(self, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) rows of the tables for tokens at ``positions`` whose sequences are ``lengths``
+        tokens long in this step: the long rows where a sequence is longer than the original length."""
+        if self.long_from is None:
+            return positions
+        return torch.where(lengths > self.long_from, positions + self.long_offset, positions)
+
+
+def default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    """(dim / 2,) inverse frequencies of the unscaled rope over ``dim`` dims."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rotary_tables(inv_freq: torch.Tensor, scaling: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin (max_position, 2 * len(inv_freq)), times ``scaling``."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq.float())  # (max_position, rotary_dim / 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (num_tokens, heads, head_dim) rotated over its first cos.shape[-1] dims; the rest as they are."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head, rest = x[..., :dim], x[..., dim:]
+    return torch.cat((head * cos + _rotate_half(head) * sin, rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagellm.model.attention import AttentionBackend, AttentionMetadata, KVCache, OutputRows, StepDriver
+from pagellm.model.attention import (
+    META_WINDOW,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    OutputRows,
+    StepDriver,
+    Window,
+)
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.packed_linear import PackedLinear
 
@@ -23,9 +31,18 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# Families whose layers each pass their own window (sliding and full-attention layers alternate, as
+# config.layer_types says): no window applies to every layer.
+PER_LAYER_WINDOW_TYPES = ("gemma2", "gemma3_text")
+
+
 def sliding_window_of(config: Any) -> int | None:
-    """The attention window in tokens, or None for full attention."""
-    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    """The attention window in tokens that applies to every layer, or None (full attention, or
+    windows set per layer)."""
+    model_type = getattr(config, "model_type", "")
+    if model_type in PER_LAYER_WINDOW_TYPES:
+        return None
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None) or None
 
@@ -47,6 +64,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.backend: AttentionBackend | None = None  # LlamaForCausalLM.set_attention_backend
+        # This layer's window (Gemma: each layer its own); by default the model-wide one.
+        self.window: Window = META_WINDOW
 
     def project_qkv(self, positions: torch.Tensor, x: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,16 +94,27 @@ class Attention(nn.Module):
         assert backend is not None, "the model runner sets the attention backend (set_attention_backend)"
         q, k, v = self.project_qkv(positions, x)
         if keep is None:
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
         else:
             backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta)
             q, k, v = q[keep.index], k[keep.index], v[keep.index]
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False,
+                                window=self.window)
         return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 
+# Model types whose attention normalizes each query and key head (q_norm, k_norm) before the rotation.
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def dense_mlp(config: Any) -> GatedMLP:
+    """The gated MLP of ``config.intermediate_size`` every Llama-family layer has."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
+        """``mlp``: the feed-forward block (a family's own, e.g. a mixture of experts); default the dense one."""
         super().__init__()
         # Qwen2 always has q/k/v biases and none on o_proj; Llama/Mistral follow attention_bias.
         is_qwen2 = getattr(config, "model_type", "") == "qwen2"
@@ -92,9 +122,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, qkv_bias=is_qwen2 or attention_bias,
                                    o_bias=attention_bias and not is_qwen2,
-                                   qk_norm=getattr(config, "model_type", "") == "qwen3")
+                                   qk_norm=getattr(config, "model_type", "") in QK_NORM_MODEL_TYPES)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+        self.mlp: nn.Module = mlp if mlp is not None else dense_mlp(config)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
@@ -122,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
     # Whether the native step driver (native_decode.py: the layers of this class, as they are here) may
     # run this model's decode steps; families that change a layer turn it off.
     native_step_driver = True
+    # Attention logit soft-capping (Gemma2), for the model runner's choice of attention backend.
+    attn_logit_softcap: float | None = None
 
     # HF checkpoint name -> (our fused parameter, shard index) for fused projections.
     stacked_params = {
@@ -134,14 +166,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, max_position: int) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.check_config(config)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layers(config, max_position))
+        self.norm = self.make_norm(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if getattr(config, "model_type", "") == "qwen3":
             self.native_step_driver = False  # (the driver has no per-head q/k norms)
@@ -154,6 +183,34 @@ class LlamaForCausalLM(nn.Module):
         # layers (the native one: model/native_decode.py; the same bits as the layers' forward).
         self._driver: StepDriver | None = None
         self._driver_pools: list[KVCache] | None = None
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Raise ValueError where ``config`` asks for what this class does not implement."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+    def make_layers(self, config: Any, max_position: int) -> list[nn.Module]:
+        """The decoder layers, in order; families with other layers (gemma.py) override this."""
+        rotary = self.make_rotary(config, max_position)
+        return [DecoderLayer(config, rotary, self.make_mlp(config, i)) for i in range(config.num_hidden_layers)]
+
+    def make_norm(self, config: Any) -> nn.Module:
+        """The norm after the last layer."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) token ids -> (num_tokens, hidden): the first layer's input."""
+        return self.embed_tokens(input_ids)
+
+    def make_rotary(self, config: Any, max_position: int) -> RotaryEmbedding:
+        """The rotary embedding every layer shares; families with other rope rules (phi3.py) override this."""
+        return RotaryEmbedding(config, head_dim_of(config), max_position)
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx``; families with another one (moe.py) override this."""
+        return dense_mlp(config)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """The attention backend every layer calls (the model runner's, chosen at start-up)."""
@@ -170,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The final (normed) hidden states of every row, or of ``meta.output_rows``' rows in its order."""
-        x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        x = self.embed(input_ids)  # (num_tokens, hidden)
         driver = self._step_driver(kv_caches)
         if driver is not None and driver.accepts(meta, x, positions):
             return driver(x, positions, meta)  # every layer and the last norm in one call
@@ -206,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         names: dict[str, tuple[str, int]] = {}
         for name, _ in self.named_parameters():
             fused = name.split(".")[-2]
-            if fused in ("qkv_proj", "gate_up_proj"):
+            if fused in {ours for ours, _ in self.stacked_params.values()}:
                 for hf, (ours, shard) in self.stacked_params.items():
                     if ours == fused:
                         names["model." + name.replace(fused, hf)] = (name, shard)
@@ -225,7 +282,9 @@ class LlamaForCausalLM(nn.Module):
             attn = first.self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            size = first.mlp.intermediate_size
+            # The MLP that owns the parameter: layers (and experts) may differ in size.
+            owner = cast(GatedMLP, self.get_submodule(param_name.rsplit(".", 2)[0]))
+            size = owner.intermediate_size
             sizes = [size, size]
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from pagellm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagellm.model.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -75,9 +75,10 @@ class ModelRunner:
         self.sliding_window = sliding_window
         v_cache = cache_engine.kv_caches[0][1]
         _, num_kv_heads, _, head_dim = v_cache.shape
+        # Soft-capped attention scores (Gemma2) rule out backends without them.
         self.attn_backend = select_attention_backend(AttentionConfig(
             device, v_cache.dtype, model.config.num_attention_heads, num_kv_heads, head_dim, self.block_size,
-            sliding_window))
+            sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
 

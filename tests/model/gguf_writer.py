@@ -15,7 +15,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 # transformers model_type -> GGUF architecture name.
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+             "phi3": "phi3", "qwen3_moe": "qwen3moe"}
+EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def _permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -23,8 +25,9 @@ def _permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, out: Path, qtype: str = "F32") -> Path:
-    """The checkpoint in ``folder`` as a GGUF file, its 2-D weights stored as ``qtype``."""
+def write_gguf(folder: Path, out: Path, qtype: str = "F32", eot_token_id: int | None = None) -> Path:
+    """The checkpoint in ``folder`` as a GGUF file, its 2-D weights stored as ``qtype`` (with an
+    end-of-turn id besides the eos one where given, as Llama 3's files have)."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text())
@@ -46,16 +49,25 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32") -> Path:
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(config["sliding_window"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     _add_tokenizer(writer, folder)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
 
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     quant = gguf.GGMLQuantizationType[qtype]
-    for hf_name, w in load_file(str(folder / "model.safetensors")).items():
-        base, suffix = hf_name.rsplit(".", 1)
-        name = f"{names.get_name(base)}.{suffix}"
+    for name, w in _gguf_tensors(load_file(str(folder / "model.safetensors")), names):
         w = w.astype(np.float32)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = _permute_for_llama_cpp(w, heads if "attn_q" in name else kv_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
         if w.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quantize(w, quant), raw_dtype=quant)
         else:
@@ -64,6 +76,23 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32") -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _gguf_tensors(weights: dict[str, np.ndarray], names) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, array): each tensor under its GGUF name; a layer's experts stacked into one 3-D
+    tensor per projection, as llama.cpp stores them."""
+    out, experts = [], {}
+    for hf_name, w in weights.items():
+        parts = hf_name.split(".")
+        if "experts" in parts:  # model.layers.N.mlp.experts.E.gate_proj.weight
+            layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
+            experts.setdefault((layer, proj), {})[expert] = w
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        out.append((f"{names.get_name(base)}.{suffix}", w))
+    for (layer, proj), by_expert in sorted(experts.items()):
+        out.append((f"blk.{layer}.{EXPERT_TENSORS[proj]}.weight", np.stack([by_expert[e] for e in sorted(by_expert)])))
     return out
 
 

@@ -160,11 +160,18 @@ GGUF_FAMILIES = {
     "qwen2": dict(num_key_value_heads=1, tie_word_embeddings=True, initializer_range=0.2),
     # head_dim 128: transformers' GGUF reader leaves Qwen3's head_dim at its default.
     "qwen3": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128, initializer_range=0.2),
+    "phi3": dict(num_key_value_heads=2, initializer_range=0.2),
+    # The shapes transformers' GGUF reader assumes for Gemma (head_dim 256; its other defaults).
+    "gemma2": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=8,
+                   initializer_range=0.2),
+    "gemma3_text": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=8,
+                        initializer_range=0.2),
 }
 
 
 @pytest.mark.parametrize(("family", "qtype"), [("llama", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q5_1"),
-                                               ("qwen3", "F16"), ("qwen3", "Q4_1")])
+                                               ("qwen3", "F16"), ("qwen3", "Q4_1"), ("phi3", "Q8_0"),
+                                               ("gemma2", "Q8_0"), ("gemma3_text", "Q4_0")])
 def test_tiny_gguf_files_match_transformers_on_the_same_file(tmp_path, family, qtype):
     from pagellm.model.default_model import build_checkpoint
     from tests.model.gguf_writer import write_gguf
@@ -183,3 +190,54 @@ def test_tiny_gguf_files_match_transformers_on_the_same_file(tmp_path, family, q
                                   pad_token_id=0)[0, len(prompt):].tolist()
         assert out.outputs[0].token_ids == want
     assert_all_blocks_free(llm)
+
+
+def test_a_mixture_of_experts_gguf_file_gives_the_tokens_of_its_checkpoint(tmp_path):
+    """Qwen3-MoE experts stacked per layer, as llama.cpp stores them, in float32: pagellm gives
+    transformers' tokens on the original checkpoint (transformers' own GGUF reader leaves the expert
+    count and sizes at their defaults, so it cannot read this file's small shape)."""
+    from pagellm.model.default_model import build_checkpoint
+    from tests.helpers import hf_greedy
+    from tests.model.gguf_writer import write_gguf
+
+    folder = build_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                              norm_topk_prob=True,  # llama.cpp always renormalizes the top-k weights
+                              initializer_range=0.2)
+    path = write_gguf(folder, tmp_path / "moe.gguf", "F32")
+    prompts = [[5, 9, 200, 17], list(range(30, 70))]
+    llm = LLM(str(path), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, p, 16) for p in prompts]
+    assert_all_blocks_free(llm)
+
+
+def test_end_of_turn_ids_stop_and_files_beside_the_gguf_take_precedence(tmp_path):
+    """Every end-of-generation id of the file ends a sequence (eos and eot, as in Llama 3's files); a
+    tokenizer.json and a generation_config.json beside the file are used instead of its metadata."""
+    import json
+    import shutil
+
+    from pagellm.model.default_model import build_checkpoint
+    from tests.model.gguf_writer import write_gguf
+
+    folder = build_checkpoint(tmp_path / "llama", "llama", seed=5, initializer_range=0.2)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    path = write_gguf(folder, alone / "m.gguf", "Q8_0", eot_token_id=3)
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=32)
+    engine = llm.llm_engine
+    assert engine.eos_token_ids == {2, 3}  # </s> and the end-of-turn id
+    assert engine.model_files.tokenizer_folder != alone
+    first = engine.tokenizer.encode("The capital of France is")
+    # A tokenizer and a generation config beside the file: they win.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, alone / name)
+    (alone / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.5}))
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=32)
+    engine = llm.llm_engine
+    assert engine.model_files.tokenizer_folder == alone
+    assert engine.eos_token_ids == {2, 7}
+    assert engine.default_sampling_fields == {"temperature": 0.5}
+    assert engine.tokenizer.encode("The capital of France is") == first

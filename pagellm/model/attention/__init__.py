@@ -17,9 +17,11 @@ chunk) as a run of tokens. The modules:
 - ``metadata.py``: ``AttentionMetadata`` (slots, the decodes' backend-specific part, prefill spans),
   the last layer's ``OutputRows``, ``cascade_runs``.
 - ``backend.py``: ``AttentionBackend`` (``prepare_decode``, ``write_kv``, ``decode``, ``prefill``,
-  ``forward``, ``step_driver``) and ``AttentionConfig``, what a backend is chosen from.
-- ``native_backend.py``: the native CPU kernels (float32/bfloat16 pools on the CPU).
-- ``torch_backend.py``: PyTorch ops, everywhere else.
+  ``forward``, ``step_driver``) and ``AttentionConfig``, what a backend is chosen from. A layer may
+  pass its own sliding window (``window``; by default the model-wide one in the metadata).
+- ``native_backend.py``: the native CPU kernels (float32/bfloat16 pools on the CPU, no attention
+  logit soft-capping).
+- ``torch_backend.py``: PyTorch ops, everywhere else (soft-capped scores included).
 - ``selector.py``: ``select_attention_backend``, called once by the model runner.
 """
 
@@ -27,7 +29,15 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.model.attention.backend import AttentionBackend, AttentionConfig, KVCache, StepDriver
+from pagellm.model.attention.backend import (
+    META_WINDOW,
+    AttentionBackend,
+    AttentionConfig,
+    KVCache,
+    StepDriver,
+    Window,
+    resolve_window,
+)
 from pagellm.model.attention.metadata import (
     AttentionMetadata,
     DecodeMetadata,
@@ -48,9 +58,9 @@ from pagellm.model.attention.torch_backend import (
 
 __all__ = [
     "AttentionBackend", "AttentionConfig", "AttentionMetadata", "BACKENDS", "BAG_MIN_BLOCK_SIZE", "DecodeBatch",
-    "DecodeGroup", "DecodeGroups", "DecodeMetadata", "KVCache", "NativeAttentionBackend", "OutputRows",
-    "PrefillSpan", "StepDriver", "TorchAttentionBackend", "cascade_runs", "choose_output_rows", "decode_group",
-    "select_attention_backend", "write_kv",
+    "DecodeGroup", "DecodeGroups", "DecodeMetadata", "KVCache", "META_WINDOW", "NativeAttentionBackend",
+    "OutputRows", "PrefillSpan", "StepDriver", "TorchAttentionBackend", "Window", "cascade_runs",
+    "choose_output_rows", "decode_group", "resolve_window", "select_attention_backend", "write_kv",
 ]
 
 

@@ -1,23 +1,40 @@
 """The one interface every attention implementation offers the model runner and the model.
 
 As in vLLM, a backend is chosen once, when the model runner is built (``selector.py``), from what
-does not change while the engine runs: device, dtype, head shapes, block size, sliding window and
-what the CPU and the native kernels can do. The one error convention: a backend says at selection
-(``unsupported``) whether it runs a configuration; once chosen, each call either does its work or
-raises, never reports "not done" for a caller to fall back.
+does not change while the engine runs: device, dtype, head shapes, block size, sliding window,
+attention logit soft-capping and what the CPU and the native kernels can do. The one error
+convention: a backend says at selection (``unsupported``) whether it runs a configuration; once
+chosen, each call either does its work or raises, never reports "not done" for a caller to fall back.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
 from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer: layouts in __init__.py
+
+
+class _MetaWindow(enum.Enum):
+    MODEL_WIDE = "the metadata's sliding window"
+
+
+# A layer's attention window for ``decode``/``forward``: its tokens, None for full attention, or
+# META_WINDOW for the model-wide one in ``AttentionMetadata.sliding_window`` (families whose layers
+# all share one window, as Mistral; Gemma's layers alternate sliding and full attention).
+META_WINDOW = _MetaWindow.MODEL_WIDE
+Window = int | None | Literal[_MetaWindow.MODEL_WIDE]
+
+
+def resolve_window(window: Window, meta: AttentionMetadata) -> int | None:
+    """The window in tokens (None: full attention) that ``window`` stands for in this step."""
+    return meta.sliding_window if window is META_WINDOW else window
 
 
 @dataclass(frozen=True)
@@ -30,7 +47,9 @@ class AttentionConfig:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the model-wide window (a layer may pass its own)
+    # Attention logit soft-capping (Gemma2): scores become tanh(scores / cap) * cap before the softmax.
+    logit_softcap: float | None = None
 
     @classmethod
     def for_pools(cls, k_cache: torch.Tensor, num_heads: int,
@@ -93,8 +112,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor) -> None:
-        """``out[:num_decodes]`` = attention of the decode rows of ``q`` over their cached context."""
+               scale: float, out: torch.Tensor, window: Window = META_WINDOW) -> None:
+        """``out[:num_decodes]`` = attention of the decode rows of ``q`` over their cached context (its
+        last ``window`` tokens where the layer's window is set)."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -109,15 +129,18 @@ class AttentionBackend(ABC):
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, store: bool = True) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, store: bool = True,
+                window: Window = META_WINDOW) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]. Returns
         [num_tokens, num_heads, head_dim]. ``store=False``: the new tokens' K/V are already in the pools
-        (the last layer stores every row's, then attends for the kept rows only)."""
+        (the last layer stores every row's, then attends for the kept rows only). ``window``: the
+        calling layer's (by default the model-wide one of ``meta``)."""
         if store:
             self.write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        tokens = resolve_window(window, meta)
         if meta.decode is not None:
-            self.decode(q, k_cache, v_cache, meta, scale, out)
+            self.decode(q, k_cache, v_cache, meta, scale, out, tokens)
         for span in meta.prefills:
-            self.prefill(q, k, v, k_cache, v_cache, span, meta.sliding_window, scale, out)
+            self.prefill(q, k, v, k_cache, v_cache, span, tokens, scale, out)
         return out

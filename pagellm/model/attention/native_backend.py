@@ -7,7 +7,8 @@ samples) read those once for the run (cascade) where the kernel does so: bfloat1
 block_size 16 and head_dim 64 or 128 on the bfloat16 dot products, without a sliding window (the
 shared blocks may lie before it). Prefill runs the native kernel where it was written for the shape
 (block_size 16, head_dim 64 or 128), else PyTorch's flash kernel. With the native bfloat16 linears
-the whole decode-only step can run in one call (``step_driver``: ``model/native_decode.py``).
+the whole decode-only step can run in one call (``step_driver``: ``model/native_decode.py``). The
+kernels have no attention logit soft-capping: models with it (Gemma2) take the PyTorch backend.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Any, cast
 import torch
 
 from pagellm.kernels import native
-from pagellm.model.attention.backend import AttentionBackend, AttentionConfig, KVCache, StepDriver
+from pagellm.model.attention.backend import (
+    META_WINDOW,
+    AttentionBackend,
+    AttentionConfig,
+    KVCache,
+    StepDriver,
+    Window,
+    resolve_window,
+)
 from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor, padded_tables
 from pagellm.model.attention.torch_backend import sdpa_prefill
 
@@ -67,6 +76,8 @@ class NativeAttentionBackend(AttentionBackend):
         if not native.supports(config.device, config.dtype):
             return (f"needs float32 or bfloat16 pools on the CPU and the native kernels (built on first use; "
                     f"PAGELLM_NATIVE_KERNELS=0 turns them off), got {config.dtype} on {config.device.type}")
+        if config.logit_softcap is not None:
+            return "the kernels have no attention logit soft-capping"
         return None
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -98,12 +109,14 @@ class NativeAttentionBackend(AttentionBackend):
                              f"{meta.slot_mapping.dtype} slots {tuple(meta.slot_mapping.shape)}")
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor) -> None:
+               scale: float, out: torch.Tensor, window: Window = META_WINDOW) -> None:
         d = cast(DecodeBatch, meta.decode)
         rows = out[: d.num]  # written in place where the cache has the queries' dtype
+        # (With a window the kernel reads each sequence's own blocks, cascade runs or not: their shared
+        # first blocks may lie before it.)
         got = native.paged_decode_attention(q[: d.num], k_cache, v_cache, d.tables, d.lens, d.scratch, scale,
-                                            meta.sliding_window, out=rows if rows.dtype == k_cache.dtype else None,
-                                            cascade=d.cascade)
+                                            resolve_window(window, meta),
+                                            out=rows if rows.dtype == k_cache.dtype else None, cascade=d.cascade)
         if got is not rows:
             rows.copy_(got)
 

@@ -3,18 +3,20 @@
 Decodes come in groups of similar context length (so that padding to the longest wastes little),
 each group attended to in one batched call that reads the pools in place through ``embedding_bag``.
 Each prefill attends over its new tokens plus the context already cached for it through PyTorch's
-flash kernel (``sdpa_prefill``, which the native backend also uses for shapes its kernel lacks).
+flash kernel (``sdpa_prefill``, which the native backend also uses for shapes its kernel lacks), or,
+with attention logit soft-capping (which that kernel cannot apply), through plain matmuls
+(``eager_prefill``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from pagellm.model.attention.backend import AttentionBackend, AttentionConfig
+from pagellm.model.attention.backend import META_WINDOW, AttentionBackend, AttentionConfig, Window, resolve_window
 from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor, padded_tables
 
 # Below this block size, scoring keys in place costs more index memory than the keys themselves
@@ -24,6 +26,10 @@ BAG_MIN_BLOCK_SIZE = 8
 # A decode group is cut where a sequence's blocks fall below this share of the group's longest:
 # padding then wastes at most 1 - share of the gathered K/V.
 GROUP_SHARE = 0.75
+
+# Soft-capped prefill scores a run of this many queries at a time, so that its float32 scores
+# (heads x queries x context) stay bounded for long prompts.
+EAGER_QUERY_CHUNK = 256
 
 
 @dataclass
@@ -37,7 +43,7 @@ class DecodeGroup:
     start: int
     num: int
     ctx: int  # padded context: max_blocks * block_size
-    hidden: torch.Tensor  # [num, ctx] bool: True where a key may NOT be attended (padding, window)
+    hidden: torch.Tensor  # [num, ctx] bool: True where a key may NOT be attended (padding, ``window``)
     tables: torch.Tensor  # [num, max_blocks] int64 block ids, padded
     # Keys viewed as (num_blocks * num_kv_heads * head_dim, block_size) rows: one bag of head_dim
     # rows per (sequence, query head, block). None below BAG_MIN_BLOCK_SIZE (keys are gathered).
@@ -45,6 +51,20 @@ class DecodeGroup:
     # Values viewed as (num_blocks * num_kv_heads * block_size, head_dim) rows, row (block, kv_head, t):
     # one bag of ctx rows per (sequence, query head).
     value_rows: torch.Tensor  # [num * num_heads, ctx] int64
+    lens: torch.Tensor | None = None  # [num] int64 context lengths (for other windows' masks)
+    window: int | None = None  # the window ``hidden`` hides keys before
+    # Masks for the other windows layers ask for (Gemma: full-attention layers among sliding ones),
+    # built on first use and shared by every layer of the step.
+    other_hidden: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def hidden_for(self, window: int | None) -> torch.Tensor:
+        """[num, ctx] bool: True where a key may NOT be attended under ``window`` (None: full)."""
+        if window == self.window:
+            return self.hidden
+        if window not in self.other_hidden:
+            assert self.lens is not None, "decode_group sets the lengths"
+            self.other_hidden[window] = hidden_keys(self.ctx, self.lens, window)
+        return self.other_hidden[window]
 
 
 @dataclass
@@ -64,11 +84,6 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
     num, max_blocks = tables.shape
     ctx = max_blocks * block_size
     dev = tables.device
-    key_pos = torch.arange(ctx, device=dev).unsqueeze(0)
-    lens = context_lens.unsqueeze(1)
-    mask = key_pos < lens
-    if sliding_window is not None:
-        mask &= key_pos > lens - 1 - sliding_window
     # The KV head each query head reads.
     kv_head = torch.arange(num_heads, device=dev) // (num_heads // num_kv_heads)  # [num_heads]
     blocks, heads = tables.view(num, 1, max_blocks, 1), kv_head.view(1, num_heads, 1, 1)
@@ -77,13 +92,33 @@ def decode_group(start: int, tables: torch.Tensor, context_lens: torch.Tensor, b
         key_rows = ((blocks * num_kv_heads + heads) * head_dim + torch.arange(head_dim, device=dev)).view(-1, head_dim)
     # Row (block, kv_head, t) of the value pool seen as (-1, head_dim).
     value_rows = (blocks * num_kv_heads + heads) * block_size + torch.arange(block_size, device=dev)
-    return DecodeGroup(start, num, ctx, ~mask, tables, key_rows, value_rows.reshape(-1, ctx))
+    return DecodeGroup(start, num, ctx, hidden_keys(ctx, context_lens, sliding_window), tables, key_rows,
+                       value_rows.reshape(-1, ctx), context_lens, sliding_window)
+
+
+def hidden_keys(ctx: int, context_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[num, ctx] bool: True at the padded positions a decode may NOT attend (past its length, or
+    before its last ``window`` tokens); ``context_lens``: [num]."""
+    key_pos = torch.arange(ctx, device=context_lens.device).unsqueeze(0)
+    lens = context_lens.unsqueeze(1)
+    mask = key_pos < lens
+    if window is not None:
+        mask &= key_pos > lens - 1 - window
+    return ~mask
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(scores / cap) * cap (logit soft-capping, in ``scores``' dtype); unchanged where ``cap``
+    is None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float,
+    hidden: torch.Tensor | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its padded context, grouped-query aware.
+    """One query token per sequence over its padded context but the keys ``hidden`` hides (by default
+    ``g.hidden``), grouped-query aware, scores soft-capped at ``softcap`` where it is set.
 
     q: [num, num_heads, head_dim]; returns [num, num_heads, head_dim]. Both sums read the pools in
     place (``embedding_bag`` gathers and reduces in one pass); scores are softmaxed in float32, as in
@@ -104,8 +139,8 @@ def decode_attention(
         keys = keys.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, head_dim, g.ctx)
         qg = (q * scale).to(k_cache.dtype).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(qg, keys)  # [n, kv_heads, group, ctx]: query heads in order
-    scores = scores.view(n, num_heads, g.ctx).float()
-    scores.masked_fill_(g.hidden.unsqueeze(1), float("-inf"))
+    scores = soft_cap(scores.view(n, num_heads, g.ctx).float(), softcap)
+    scores.masked_fill_((g.hidden if hidden is None else hidden).unsqueeze(1), float("-inf"))
     probs = scores.softmax(dim=-1).to(v_cache.dtype)
     out = F.embedding_bag(g.value_rows, v_cache.view(-1, head_dim), mode="sum",
                           per_sample_weights=probs.view(-1, g.ctx))
@@ -126,17 +161,34 @@ def _gather_values(v_cache: torch.Tensor, block_table: torch.Tensor, length: int
     return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :length]
 
 
+def _prefill_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                span: PrefillSpan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a prefill attends over, [num_kv_heads, context_len, head_dim] each."""
+    if span.context_len == span.q_len and k_cache.dtype == k.dtype:
+        sl = slice(span.q_start, span.q_start + span.q_len)
+        return k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather
+    return (_gather_keys(k_cache, span.block_table, span.context_len),
+            _gather_values(v_cache, span.block_table, span.context_len))
+
+
+def _prefill_mask(q_first: int, q_end: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_end - q_first, ctx] bool: True where the query at each position of ``[q_first, q_end)`` may
+    attend the key at each position of ``[0, ctx)`` (causal, within ``window`` where set)."""
+    q_pos = torch.arange(q_first, q_end, device=device).unsqueeze(1)
+    k_pos = torch.arange(ctx, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  span: PrefillSpan, window: int | None, scale: float, out: torch.Tensor) -> None:
     """One prefill through PyTorch's ``scaled_dot_product_attention`` (``AttentionBackend.prefill``)."""
     sl = slice(span.q_start, span.q_start + span.q_len)
     cached = span.context_len - span.q_len
     gqa = q.shape[1] != k.shape[1]
-    if cached == 0 and k_cache.dtype == k.dtype:
-        keys, values = k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather
-    else:
-        keys = _gather_keys(k_cache, span.block_table, span.context_len)
-        values = _gather_values(v_cache, span.block_table, span.context_len)
+    keys, values = _prefill_kv(k, v, k_cache, v_cache, span)
     # 4-D (batch of one): PyTorch's CPU flash-attention kernel only takes 4-D inputs; 3-D ones
     # fall back to the unfused math path, twice as slow.
     query = q[sl].transpose(0, 1).to(keys.dtype).unsqueeze(0)  # [1, num_heads, q_len, head_dim]
@@ -144,13 +196,32 @@ def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     if cached == 0 and window is None:
         o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        q_pos = torch.arange(cached, span.context_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(span.context_len, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
+        mask = _prefill_mask(cached, span.context_len, span.context_len, window, q.device)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out[sl] = o[0].transpose(0, 1).to(q.dtype)
+
+
+def eager_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  span: PrefillSpan, window: int | None, scale: float, out: torch.Tensor,
+                  softcap: float | None) -> None:
+    """One prefill through matmuls and a float32 softmax (transformers' eager attention), the scores
+    soft-capped at ``softcap``: ``scaled_dot_product_attention`` has no soft-capping."""
+    cached = span.context_len - span.q_len
+    keys, values = _prefill_kv(k, v, k_cache, v_cache, span)  # [kv_heads, ctx, head_dim]
+    kv_heads, ctx, head_dim = keys.shape
+    group = q.shape[1] // kv_heads  # query heads per KV head, adjacent
+    keys_t = keys.transpose(1, 2).unsqueeze(1)  # [kv_heads, 1, head_dim, ctx]
+    for first in range(0, span.q_len, EAGER_QUERY_CHUNK):
+        n = min(EAGER_QUERY_CHUNK, span.q_len - first)
+        rows = slice(span.q_start + first, span.q_start + first + n)
+        query = q[rows].to(keys.dtype).view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(query, keys_t).float() * scale  # [kv_heads, group, n, ctx]
+        scores = soft_cap(scores, softcap)
+        allowed = _prefill_mask(cached + first, cached + first + n, ctx, window, q.device)
+        scores.masked_fill_(~allowed, float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        o = torch.matmul(probs, values.unsqueeze(1))  # [kv_heads, group, n, head_dim]
+        out[rows] = o.permute(2, 0, 1, 3).reshape(n, kv_heads * group, head_dim).to(q.dtype)
 
 
 def torch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,7 +242,9 @@ class TorchAttentionBackend(AttentionBackend):
         return None
 
     def describe(self) -> str:
-        return "PyTorch (embedding_bag decode in length groups, scaled_dot_product_attention prefill)"
+        prefill = "matmul prefill (soft-capped scores)" if self.config.logit_softcap else \
+            "scaled_dot_product_attention prefill"
+        return f"PyTorch (embedding_bag decode in length groups, {prefill})"
 
     def prepare_decode(self, tables: list[list[int]], context_lens: list[int],
                        cascade: list[tuple[int, int, int]]) -> DecodeGroups:
@@ -196,12 +269,17 @@ class TorchAttentionBackend(AttentionBackend):
         torch_write_kv(k, v, k_cache, v_cache, meta)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor) -> None:
+               scale: float, out: torch.Tensor, window: Window = META_WINDOW) -> None:
+        tokens = resolve_window(window, meta)
         for g in cast(DecodeGroups, meta.decode).groups:
             sl = slice(g.start, g.start + g.num)
-            out[sl] = decode_attention(q[sl], k_cache, v_cache, g, scale).to(q.dtype)
+            out[sl] = decode_attention(q[sl], k_cache, v_cache, g, scale, g.hidden_for(tokens),
+                                       self.config.logit_softcap).to(q.dtype)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, span: PrefillSpan, window: int | None, scale: float,
                 out: torch.Tensor) -> None:
-        sdpa_prefill(q, k, v, k_cache, v_cache, span, window, scale, out)
+        if self.config.logit_softcap is None:
+            sdpa_prefill(q, k, v, k_cache, v_cache, span, window, scale, out)
+        else:
+            eager_prefill(q, k, v, k_cache, v_cache, span, window, scale, out, self.config.logit_softcap)

@@ -1,0 +1,65 @@
+"""Phi-3 (Phi-3, Phi-3.5-mini, Phi-4-mini) on the Llama layers.
+
+What differs from Llama: the checkpoint stores the fused projections (``qkv_proj``, ``gate_up_proj``)
+as ours, so its names map one to one; the rotation may cover only the first ``partial_rotary_factor``
+of each head's dims; and "longrope" scaling has short and long frequencies (Phi3RotaryEmbedding in
+layers.py). transformers picks the long ones for a whole forward once its sequence is longer than
+``original_max_position_embeddings``; here each sequence of the batch is judged alone, by the length
+it reaches in the step, so sequences on either side of that length share a step. Two cases still
+differ from transformers' ``generate``: when a sequence first grows past the original length,
+generate drops its cache and recomputes every earlier token with the long factors, where the keys
+cached here stay as they were (as transformers' forward with a kept cache); and a prompt longer than
+the original length that is chunked reads the short factors in chunks that end within it.
+A window (``sliding_window``) is the model-wide one, as for Mistral; there are no biases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from pagellm.model.attention import AttentionMetadata, KVCache
+from pagellm.model.layers import Phi3RotaryEmbedding
+from pagellm.model.llama import DecoderLayer, LlamaForCausalLM, head_dim_of
+
+
+def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """(num_tokens,) for each row of the flat batch, how many tokens its sequence has once this step
+    is done: a decode row's position + 1, a prefill chunk's context length for each of its rows."""
+    lengths = positions + 1  # right for decodes (rows [0, num_decodes), one per sequence)
+    for span in meta.prefills:
+        lengths[span.q_start : span.q_start + span.q_len] = span.context_len
+    return lengths
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi3: Llama layers with partial rotary and longrope, loaded from fused checkpoint weights."""
+
+    # The native decode driver knows only Llama's full-head rotation over one table.
+    native_step_driver = False
+
+    # The checkpoint's fused projections are ours: no name is split into shards.
+    stacked_params: dict[str, tuple[str, int]] = {}
+
+    def make_rotary(self, config: Any, max_position: int) -> Phi3RotaryEmbedding:
+        return Phi3RotaryEmbedding(config, head_dim_of(config), max_position)
+
+    @property
+    def rotary(self) -> Phi3RotaryEmbedding:
+        """The rotary embedding the layers share."""
+        return cast(Phi3RotaryEmbedding, cast(DecoderLayer, self.layers[0]).self_attn.rotary)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """As ``LlamaForCausalLM.forward``; under longrope the layers get each token's row of the rotary
+        tables in place of its position (the layers use positions for the rotation only)."""
+        rotary = self.rotary
+        if rotary.long_from is not None:
+            positions = rotary.table_rows(positions, step_lengths(positions, meta))
+        return super().forward(input_ids, positions, kv_caches, meta)
