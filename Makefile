@@ -31,7 +31,7 @@ install-peers: $(VENV)/.peers-installed
 # Peer comparisons and third-party clients run apart (`make test-peers`): a peer's new release must
 # not turn pagellm's own suite red.
 test: install
-	$(PY) -m pytest tests -m "not peers"
+	$(PY) -m pytest tests -m "not peers" -rs
 
 lint: install
 	$(VENV)/bin/ruff check pagellm tests benchmarks
@@ -39,6 +39,17 @@ lint: install
 
 test-peers: install-peers
 	$(PY) -m pytest tests -m peers
+
+# The dashboard's browser test: Debian's chromium (apt-get, where missing) and Playwright without its own
+# browser download (.ci/install-browser). Where either cannot be installed, `make test` skips that test
+# and says why.
+.PHONY: install-browser dashboard-screenshot
+install-browser: install
+	PY=$(PY) .ci/install-browser
+
+# docs/dashboard.png, the README's screenshot: taken by the browser test during its shared-prefix workload.
+dashboard-screenshot: install-browser
+	PAGELLM_DASHBOARD_SCREENSHOT=docs/dashboard.png $(PY) -m pytest tests/entrypoints/openai/test_dashboard_browser.py -q -rs
 
 # A plain install (no extras) in a fresh venv runs every command: each import a command needs is declared.
 check-plain-install:

@@ -20,6 +20,7 @@ _EXPORTS = {
     "BeamSearchOutput": "pagellm.engine.beam_search",
     "BeamSearchSequence": "pagellm.engine.beam_search",
     "SamplingParams": "pagellm.sampling_params",
+    "StructuredOutputsParams": "pagellm.sampling_params",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
     "Logprob": "pagellm.outputs",
@@ -28,7 +29,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "SamplingParams",
-    "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "__version__",
+    "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "__version__",
 ]
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

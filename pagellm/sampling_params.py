@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.config import SEED_RANGE
 
@@ -31,6 +33,67 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON
+    schema, as a dict or its text), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or
+    GBNF as llama.cpp writes it) or ``json_object`` (any JSON object).
+
+    Generated JSON has one space after ``:`` and ``,`` and no other whitespace between tokens: free
+    whitespace would let a model pad forever. ``disable_any_whitespace``, ``disable_fallback`` and
+    ``disable_additional_properties`` are accepted for vLLM's callers and change nothing here.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints, so a compiled grammar is shared by its requests."""
+        kind = self.kind
+        if kind == "json":
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, ensure_ascii=False)
+            return kind, spec
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice or ()), ensure_ascii=False)
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
 
 
 @dataclass
@@ -63,6 +126,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding: every sampled token keeps the output a prefix of a match.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by validation: the normalised forms the engine uses.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     # The stop strings' matching tables, built on first use and shared by the request's sequences
@@ -155,6 +220,9 @@ class SamplingParams:
             raise bad("stop", self.stop, "None when detokenize=False (stop strings are matched in the text)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", so, "a StructuredOutputsParams or None")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or not all(
                 _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):

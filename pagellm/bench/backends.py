@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagellm.bench.kv_strip import KVStripRecorder
 from pagellm.bench.report import progress
 from pagellm.bench.step_log import StepLog, StepRecord
 from pagellm.bench.workloads import Workload
@@ -30,6 +31,7 @@ class BackendResult:
     detail: dict[str, Any] = field(default_factory=dict)
     skipped: str | None = None  # why the backend did not run
     steps: list[StepRecord] = field(default_factory=list, repr=False)  # pagellm's steps (StepLog)
+    kv_strip: KVStripRecorder | None = field(default=None, repr=False)  # pagellm's block grid over time
 
     @property
     def requests_per_s(self) -> float:
@@ -53,18 +55,25 @@ class BackendResult:
 
 
 def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any],
-                label: str = "pagellm") -> tuple[BackendResult, Any]:
-    """Run on pagellm; returns the result and the LLM (its step log feeds the roofline)."""
-    from pagellm import LLM, SamplingParams
+                label: str = "pagellm", kv_strip: bool = False, constrain: bool = True) -> tuple[BackendResult, Any]:
+    """Run on pagellm; returns the result and the LLM (its step log feeds the roofline). ``kv_strip``:
+    also record the block grid over the run (``BackendResult.kv_strip``); ``constrain``: apply the
+    workload's JSON schema to the requests it marks (json-schema)."""
+    from pagellm import LLM, SamplingParams, StructuredOutputsParams
 
     longest = max(len(p) for p in workload.prompts) + max(workload.output_lens)
     kwargs = {"max_model_len": longest, "dtype": dtype, **engine_kwargs}
     llm = LLM(str(model), **kwargs)
     params = [SamplingParams(n=workload.n, temperature=1.0 if workload.n > 1 else 0.0, seed=i, max_tokens=o,
                              ignore_eos=True) for i, o in enumerate(workload.output_lens)]
+    if constrain and "schema" in workload.meta:
+        so = StructuredOutputsParams(json=workload.meta["schema"])
+        params = [p.clone(structured_outputs=so) if marked else p
+                  for p, marked in zip(params, workload.meta["constrained"])]
     llm.generate(workload.prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     log = StepLog.install(llm.llm_engine)
+    strip = KVStripRecorder.install(llm.llm_engine) if kv_strip else None
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=lambda **kw: progress(label, kw["total"]))
     elapsed = time.perf_counter() - t0
@@ -77,14 +86,25 @@ def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict
     stats = llm.kv_cache_stats()
     detail = {
         "ttft_mean_s": sum(ttfts) / len(ttfts),
+        # Per request, in workload order: tokens after the first over the time they took.
+        "decode_tok_s": [decode_rate(o) for o in outs],
         "steps": len(log.records),
         "preemptions": llm.llm_engine.scheduler.stats.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "peak_kv_blocks": stats.peak_in_use_blocks,
     }
     log.uninstall()
+    if strip is not None:
+        strip.uninstall()
     return BackendResult("pagellm", elapsed, workload.num_requests, workload.prompt_tokens, got, detail,
-                         steps=log.records), llm
+                         steps=log.records, kv_strip=strip), llm
+
+
+def decode_rate(out: Any) -> float:
+    m = out.metrics
+    tokens = max(len(c.token_ids) for c in out.outputs) - 1
+    span = (m.finished_time or 0.0) - (m.first_token_time or 0.0)
+    return tokens / span if tokens > 0 and span > 0 else float("nan")
 
 
 def _hf_model(model: Path, dtype: str) -> Any:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pagellm.bench import backends as be
+from pagellm.bench.kv_strip import plot_kv_strip
 from pagellm.bench.report import append_markdown_row, write_json
 from pagellm.bench.roofline import model_cost
 from pagellm.bench.throughput import (
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-model-len {args.max_model_len} is more than {model_name}'s max_position_embeddings "
                          f"({limit}): no server of this model reserves that much")
     workload = build_workload(args, config.vocab_size)
-    res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
+    res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args), kv_strip=True)
     engine = llm.llm_engine
     cost = model_cost(llm)
     per_token = cost.kv_bytes_per_token
@@ -93,4 +94,6 @@ def run(args: argparse.Namespace) -> int:
     )
     plot_kv_usage(out / f"{stem}-kv-usage.png", log, engine.kv_cache_manager.num_blocks,
                   f"KV blocks in use, {workload.name} on {model_name}")
+    if res.kv_strip is not None:  # its companion: which blocks, in which state
+        plot_kv_strip(out / f"{stem}-kv-grid.png", res.kv_strip, f"KV blocks by state, {workload.name} on {model_name}")
     return 0

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.bench import backends as be
+from pagellm.bench.kv_strip import plot_kv_strip
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
 from pagellm.bench.workloads import (
     MODEL_PRESETS,
     Workload,
     bench_model_path,
+    json_schema_workload,
     parallel_workload,
     random_workload,
     shared_prefix_workload,
@@ -25,7 +27,7 @@ from pagellm.model.loader import check_model_folder
 DEFAULT_OUTPUT = Path("benchmarks/results")
 
 
-def add_common_args(p: argparse.ArgumentParser) -> None:
+def add_common_args(p: argparse.ArgumentParser, extra_workloads: tuple[str, ...] = ()) -> None:
     p.add_argument("--model", default=None, help="model folder (default: a random-weight --model-preset)")
     p.add_argument("--model-preset", default="w1-llama", choices=list(MODEL_PRESETS),
                    help="random-weight model built when no --model is given")
@@ -36,8 +38,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
                    help="new tokens per request, drawn uniformly")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's draws")
-    p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel"),
-                   help="random prompts; prompts sharing a --prefix-len prefix; or --n samples per prompt")
+    p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel", *extra_workloads),
+                   help="random prompts; prompts sharing a --prefix-len prefix; or --n samples per prompt"
+                        + ("; json-schema: random prompts, every other one constrained to a JSON schema"
+                           if "json-schema" in extra_workloads else ""))
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens every prompt starts with")
     p.add_argument("--n", type=int, default=4, help="parallel: samples per prompt")
     p.add_argument("--block-size", type=int, default=16, help="pagellm: tokens per KV block (default 16)")
@@ -118,13 +122,17 @@ def build_workload(args: argparse.Namespace, vocab: int, seed: int | None = None
         return shared_prefix_workload(args.num_prompts, args.prefix_len, prompt, output, vocab, seed)
     if args.workload == "parallel":
         return parallel_workload(args.num_prompts, args.n, prompt, output, vocab, seed)
+    if args.workload == "json-schema":
+        return json_schema_workload(args.num_prompts, prompt, output, vocab, seed)
     return random_workload(args.num_prompts, prompt, output, vocab, seed, name="random")
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model:
         return Path(args.model), Path(args.model).name
-    return bench_model_path(args.model_preset, args.dtype), args.model_preset
+    # A JSON schema needs a vocabulary that can spell JSON: the preset with a byte-level BPE tokenizer.
+    bpe = args.workload == "json-schema"
+    return bench_model_path(args.model_preset, args.dtype, bpe=bpe), args.model_preset + ("-bpe" if bpe else "")
 
 
 def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
@@ -137,11 +145,14 @@ def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput against transformers (hf, hf-batched, hf-cb)")
-    add_common_args(p)
+    add_common_args(p, extra_workloads=("json-schema",))
     p.add_argument("--backend", action="append", choices=be.BACKENDS, default=None,
                    help="repeatable; default: all of " + ", ".join(be.BACKENDS))
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES),
                    help="hf-batched: the static batch sizes tried (the best one is reported)")
+    p.add_argument("--kv-strip", action="store_true",
+                   help="pagellm: also write its KV block grid over the run as a PNG strip (*-kv-grid.png, the "
+                        "dashboard's grid over time; bench memory always writes it)")
     p.set_defaults(func=run)
 
 
@@ -165,10 +176,12 @@ def run(args: argparse.Namespace) -> int:
     for name in backends:
         t0 = time.perf_counter()
         if name == "pagellm":
-            res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args))
+            res, llm = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args), kv_strip=args.kv_strip)
             # Measured again right after the run: the limits are the best of both measurements.
             limits = limits.best(measure_machine())
             roofline = decode_efficiency(llm, res.steps, limits)
+            if workload.name == "json-schema":
+                extra.update(constrained_cost(res, model, workload, args))
             if workload.name == "shared-prefix":
                 off, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args, enable_prefix_caching=False),
                                         label="pagellm-no-prefix-cache")
@@ -207,7 +220,13 @@ def run(args: argparse.Namespace) -> int:
               f"roofline {roofline['decode_roofline_s']:.2f} s vs measured {roofline['decode_measured_s']:.2f} s: "
               f"efficiency {roofline['decode_efficiency']:.0%} (limits: best of two measurements, bf16 matmul "
               f"{limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, copy {limits.copy_bandwidth_gbs:.1f} GB/s)")
-    if extra:
+    if "constrained_decode_tok_s" in extra:
+        print(f"json-schema: per-request decode tok/s {extra['constrained_decode_tok_s']:.1f} constrained vs "
+              f"{extra['unconstrained_decode_tok_s']:.1f} unconstrained in the same run "
+              f"({extra['constrained_vs_unconstrained']:.1%}); unconstrained ones "
+              f"{extra['unconstrained_vs_baseline']:.1%} of a run with no constraint "
+              f"({extra['baseline_decode_tok_s']:.1f})")
+    if "ttft_mean_s_prefix_cache" in extra:
         print(f"shared prefix: TTFT {extra['ttft_mean_s_no_prefix_cache']:.3f} s without the prefix cache, "
               f"{extra['ttft_mean_s_prefix_cache']:.3f} s with it "
               f"({extra['ttft_speedup_from_prefix_cache']:.1f}x lower)")
@@ -233,7 +252,31 @@ def run(args: argparse.Namespace) -> int:
     )
     bar_plot(out / f"{stem}.png", [r.backend for r in ran], [r.output_tokens_per_s for r in ran],
              "output tokens/s", f"{workload.name} on {model_name} ({args.dtype})")
+    strip = results["pagellm"].kv_strip if "pagellm" in results else None
+    if strip is not None:
+        plot_kv_strip(out / f"{stem}-kv-grid.png", strip,
+                      f"KV blocks by state, {workload.name} on {model_name} ({args.dtype})")
     return 0
+
+
+def constrained_cost(res: be.BackendResult, model: Path, workload: Workload,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Mean per-request decode tok/s of the constrained and the unconstrained requests of ``res``, and of
+    the same workload run again with no constraint at all (the unconstrained requests' baseline)."""
+    base, _ = be.run_pagellm(model, workload, args.dtype, engine_kwargs(args), label="pagellm-unconstrained",
+                             constrain=False)
+    constrained = workload.meta["constrained"]
+    mine = res.detail["decode_tok_s"]
+    theirs = base.detail["decode_tok_s"]
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else float("nan")
+
+    c = mean([v for v, k in zip(mine, constrained) if k])
+    u = mean([v for v, k in zip(mine, constrained) if not k])
+    b = mean([v for v, k in zip(theirs, constrained) if not k])
+    return {"constrained_decode_tok_s": c, "unconstrained_decode_tok_s": u, "baseline_decode_tok_s": b,
+            "constrained_vs_unconstrained": c / u, "unconstrained_vs_baseline": u / b}
 
 
 def plot_kv_usage(path: Path, step_log: list, num_blocks: int, title: str) -> Path | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import tempfile
@@ -47,10 +48,53 @@ def build_word_tokenizer(folder: Path, vocab_size: int) -> Any:
     return fast
 
 
-def bench_model_path(preset: str, dtype: str = "bfloat16") -> Path:
-    """A saved random-weight checkpoint of ``preset`` (built once, cached), readable by every backend."""
+def build_bpe_tokenizer(folder: Path, vocab_size: int, seed: int = 0) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` entries trained on synthetic text (seeded: the same
+    vocabulary on every machine), saved to ``folder``: one that can spell JSON, for constrained workloads."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 10))) for _ in range(4 * vocab_size)]
+    # Zipf-like word frequencies, and the punctuation of JSON, as text has them.
+    cum = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(words))))
+    lines = [" ".join(rng.choices(words, cum_weights=cum, k=12))
+             + rng.choice(['", "', '": ', ", ", ".\n", "}, {", "]"]) for _ in range(40_000)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def bench_model_path(preset: str, dtype: str = "bfloat16", bpe: bool = False) -> Path:
+    """A saved random-weight checkpoint of ``preset`` (built once, cached), readable by every backend;
+    ``bpe``: with a byte-level BPE tokenizer instead of the word-level one (the weights are the same)."""
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    if bpe:
+        target = cache_dir() / "bench" / f"{preset}-{dtype}-bpe"
+        if not (target / "config.json").is_file():
+            words = bench_model_path(preset, dtype)
+            tmp = Path(tempfile.mkdtemp(dir=words.parent))
+            try:
+                for f in ("config.json", "generation_config.json"):
+                    if (words / f).is_file():
+                        shutil.copy(words / f, tmp / f)
+                (tmp / "model.safetensors").symlink_to(words / "model.safetensors")
+                build_bpe_tokenizer(tmp, MODEL_PRESETS[preset][1]["vocab_size"])
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return target
     target = cache_dir() / "bench" / f"{preset}-{dtype}"
     if (target / "config.json").is_file():
         if not (target / ".word-tokenizer").exists():  # built before the word-level tokenizer: upgrade it
@@ -130,4 +174,26 @@ def parallel_workload(num: int, n: int, prompt_range: tuple[int, int], output_ra
     base = random_workload(num, prompt_range, output_range, vocab, seed, name=f"parallel-n{n}")
     base.n = n
     base.meta["n"] = n
+    return base
+
+
+# The json-schema workload's constraint: an open-ended list keeps the grammar at work for the whole
+# output, as a long extraction would.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40},
+                   "items": {"type": "array", "items": {"type": "object", "properties": {
+                       "name": {"type": "string", "maxLength": 24}, "count": {"type": "integer"},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+                       "required": ["name", "count"]}}},
+    "required": ["title", "items"],
+}
+
+
+def json_schema_workload(num: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                         seed: int = 0) -> Workload:
+    """The random workload with every other request constrained to ``BENCH_SCHEMA``."""
+    base = random_workload(num, prompt_range, output_range, vocab, seed, name="json-schema")
+    base.meta["constrained"] = [i % 2 == 1 for i in range(num)]
+    base.meta["schema"] = BENCH_SCHEMA
     return base

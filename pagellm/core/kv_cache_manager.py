@@ -52,13 +52,30 @@ class KVCacheStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+# Stands in a block table for a block that fell out of the attention window and went back to the pool:
+# the table keeps its logical positions, and the id (0) is one the kernels may read but never use.
+OUT_OF_WINDOW = KVBlock(0)
+
+
+def is_held(block: KVBlock) -> bool:
+    """Whether a table entry holds a block of the pool (not the out-of-window stand-in)."""
+    return block is not OUT_OF_WINDOW
+
+
 class KVCacheManager:
-    """Maps each sequence to its block table and keeps the pool's counts honest."""
+    """Maps each sequence to its block table and keeps the pool's counts honest.
+
+    With ``sliding_window`` (a model whose every layer attends to the last ``sliding_window`` tokens
+    only), the leading blocks no later query can see go back to the pool as a sequence grows
+    (``free_out_of_window``), their table entries replaced by ``OUT_OF_WINDOW``.
+    """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVBlock]] = {}
@@ -99,6 +116,19 @@ class KVCacheManager:
 
     def block_table(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.block_tables.get(seq.seq_id, ())]
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Return the leading blocks of ``seq`` that no query from its next token on can attend
+        (every position in them at least ``sliding_window`` before it); returns how many."""
+        table = self.block_tables.get(seq.seq_id)
+        if self.sliding_window is None or not table:
+            return 0
+        dead = min(max(0, seq.num_computed_tokens - self.sliding_window) // self.block_size, len(table))
+        freed = [table[i] for i in range(dead) if is_held(table[i])]
+        for i in range(dead):
+            table[i] = OUT_OF_WINDOW
+        self.pool.free(freed)
+        return len(freed)
 
     # ---------------------------------------------------------- prefix keys
     def block_key(self, seq: Sequence, index: int) -> tuple[int, BlockKey]:
@@ -202,7 +232,8 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(done, full):
             h, key = self.block_key(seq, i)
-            self.pool.cache_block(table[i], h, key)
+            if is_held(table[i]):
+                self.pool.cache_block(table[i], h, key)
         self._num_hashed[seq.seq_id] = max(done, full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -210,7 +241,8 @@ class KVCacheManager:
         assert child.seq_id not in self.block_tables
         table = self.block_tables.get(parent.seq_id, [])
         for block in table:
-            self.pool.touch(block)
+            if is_held(block):
+                self.pool.touch(block)
         self.block_tables[child.seq_id] = list(table)
         self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
         child.block_keys = list(parent.block_keys)
@@ -221,8 +253,8 @@ class KVCacheManager:
         self._num_hashed.pop(seq.seq_id, None)
         cpu_table = self.cpu_tables.pop(seq.seq_id, None)
         if cpu_table and self.cpu_pool is not None:
-            self.cpu_pool.free(cpu_table)
-        table = self.block_tables.pop(seq.seq_id, None)
+            self.cpu_pool.free([b for b in cpu_table if is_held(b)])
+        table = [b for b in self.block_tables.pop(seq.seq_id, None) or () if is_held(b)]
         if not table:
             return 0
         self.pool.free(reversed(table))
@@ -234,31 +266,36 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ swap
     def can_swap_out(self, seq: Sequence) -> bool:
-        table = self.block_tables.get(seq.seq_id) or []
-        return self.cpu_pool is not None and bool(table) and self.cpu_pool.num_free_blocks >= len(table)
+        held = [b for b in self.block_tables.get(seq.seq_id) or () if is_held(b)]
+        return self.cpu_pool is not None and bool(held) and self.cpu_pool.num_free_blocks >= len(held)
 
     def swap_out(self, seq: Sequence) -> int:
-        """Move ``seq``'s blocks to the CPU pool and free its device blocks; returns the blocks moved."""
+        """Move ``seq``'s blocks to the CPU pool and free its device blocks; returns the blocks moved
+        (out-of-window entries stay stand-ins on the CPU side too)."""
         assert self.cpu_pool is not None
         table = self.block_tables.pop(seq.seq_id)
-        cpu_blocks = self.cpu_pool.allocate(len(table))
-        self.pending_swap_out.extend((d.block_id, c.block_id) for d, c in zip(table, cpu_blocks))
-        self.cpu_tables[seq.seq_id] = cpu_blocks
+        held = [b for b in table if is_held(b)]
+        cpu_blocks = iter(self.cpu_pool.allocate(len(held)))
+        cpu_table = [next(cpu_blocks) if is_held(b) else OUT_OF_WINDOW for b in table]
+        self.pending_swap_out.extend((d.block_id, c.block_id) for d, c in zip(table, cpu_table) if is_held(d))
+        self.cpu_tables[seq.seq_id] = cpu_table
         # The device blocks keep their prefix hashes: their contents stay valid until reused.
-        self.pool.free(reversed(table))
+        self.pool.free(reversed(held))
         self._num_hashed.pop(seq.seq_id, None)
-        return len(table)
+        return len(held)
 
     def swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
         """Bring ``seq``'s blocks back into fresh device blocks, keeping ``reserve`` free; False if short."""
         assert self.cpu_pool is not None
         cpu_table = self.cpu_tables[seq.seq_id]
-        if len(cpu_table) + reserve > self.pool.num_free_blocks:
+        held = [c for c in cpu_table if is_held(c)]
+        if len(held) + reserve > self.pool.num_free_blocks:
             return False
         del self.cpu_tables[seq.seq_id]
-        table = self.pool.allocate(len(cpu_table))
-        self.pending_swap_in.extend((c.block_id, d.block_id) for c, d in zip(cpu_table, table))
-        self.cpu_pool.free(cpu_table)
+        device_blocks = iter(self.pool.allocate(len(held)))
+        table = [next(device_blocks) if is_held(c) else OUT_OF_WINDOW for c in cpu_table]
+        self.pending_swap_in.extend((c.block_id, d.block_id) for c, d in zip(cpu_table, table) if is_held(c))
+        self.cpu_pool.free(held)
         self.block_tables[seq.seq_id] = table
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
         return True
@@ -312,7 +349,7 @@ class KVCacheManager:
             if not table:
                 continue
             n = seq.num_computed_tokens
-            logical += n
+            logical += n - bs * sum(1 for b in table if not is_held(b))
             for i in range(min(n // bs, len(table)), len(table)):
                 tails[table[i].block_id] = max(tails.get(table[i].block_id, 0), min(bs, max(0, n - i * bs)))
         logical += bs * len(self.pinned)
@@ -338,7 +375,8 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         for table in self.block_tables.values():
             for block in table:
-                holders[block.block_id] += 1
+                if is_held(block):
+                    holders[block.block_id] += 1
         for block in self.pinned:
             holders[block.block_id] += 1
         for block in self.pool.created_blocks:
@@ -350,7 +388,7 @@ class KVCacheManager:
         assert not set(self.block_tables) & set(self.cpu_tables), "a sequence is both on the device and swapped"
         if self.cpu_pool is not None:
             self.cpu_pool.assert_consistent()
-            cpu_holders = Counter(b.block_id for t in self.cpu_tables.values() for b in t)
+            cpu_holders = Counter(b.block_id for t in self.cpu_tables.values() for b in t if is_held(b))
             for block in self.cpu_pool.created_blocks:
                 assert block.ref_cnt == cpu_holders[block.block_id], f"CPU {block}: ref count drifted"
         else:

@@ -339,6 +339,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self.kv_cache_manager.cache_full_blocks(seq)
+            self.kv_cache_manager.free_out_of_window(seq)
             if item.prompt_logprobs_range is not None:  # the runner scored them; the engine keeps them
                 seq.request.num_scored_prompt_tokens = item.prompt_logprobs_range[1]
             if not item.sample:

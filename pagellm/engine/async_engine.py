@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, TypeVar
 
 from pagellm.core.sequence import Request
 from pagellm.engine.faults import FaultInjector
@@ -85,6 +85,7 @@ class RequestStream:
 
 # Called after every step with the step's outputs (metrics hook).
 StepCallback = Callable[[list[RequestOutput]], None]
+T = TypeVar("T")
 
 
 class AsyncLLMEngine:
@@ -103,6 +104,8 @@ class AsyncLLMEngine:
         self._step: asyncio.Future | None = None
         self._closing = False
         self._faults_in_a_row: dict[Hashable, int] = {}
+        # Reads of the engine's state asked for while a step ran (read_between_steps): served after it.
+        self._pending_reads: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self.step_callbacks: list[StepCallback] = []
         self.abort_callbacks: list[Callable[[Request], None]] = []
         # Called once, with the error, when the engine fails for good (the server exits on it).
@@ -131,6 +134,7 @@ class AsyncLLMEngine:
             self._task = None
         if self._step is not None and not self._step.done():
             await asyncio.wait([self._step])  # the engine is not thread-safe: no abort during a step
+        self._serve_reads()
         # Whatever is left in the engine too (requests a dead loop failed): their blocks come back.
         self._pending_aborts.extend(self.engine.requests)  # a second abort of one is a no-op
         try:
@@ -168,6 +172,30 @@ class AsyncLLMEngine:
         if not self.is_running:
             return "the engine loop is not running"
         return None
+
+    async def read_between_steps(self, read: Callable[[LLMEngine], T]) -> T:
+        """``read(engine)`` while no step runs: at once when the engine is between steps, else right
+        after the step in flight, before the next one starts (the dashboard's snapshot of the KV cache).
+
+        ``read`` runs on the event loop, so it must be quick and must not change the engine.
+        """
+        if self._step is None or self._step.done():
+            # No step in flight: queues and blocks change only on this thread now (adds and aborts
+            # are applied by the loop, which is waiting while this runs).
+            return read(self.engine)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_reads.append((read, future))
+        return await future
+
+    def _serve_reads(self) -> None:
+        reads, self._pending_reads = self._pending_reads, []
+        for read, future in reads:
+            if future.done():  # its reader stopped waiting
+                continue
+            try:
+                future.set_result(read(self.engine))
+            except Exception as e:
+                future.set_exception(e)
 
     def num_waiting(self) -> int:
         return self.engine.scheduler.num_waiting + len(self._pending_adds)
@@ -350,8 +378,10 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             raise
         except Exception as e:
+            self._serve_reads()
             self._step_failed(e)
             return
+        self._serve_reads()
         self._fault_cleared("step")
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import numbers
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from pagellm.config import check_slo
 from pagellm.core.sequence import Request
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.structured_output import StructuredOutputManager
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 PromptType = str | list[int] | dict[str, Any]
@@ -28,17 +31,20 @@ class InputProcessor:
     what is wrong otherwise."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], structured_output: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
+        self.structured_output = structured_output
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
+        """Token ids of a conversation through the tokenizer's chat template (given the ``tools`` the
+        model may call, in OpenAI's form, which templates that know tools render)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -46,7 +52,8 @@ class InputProcessor:
             raise ValueError("this tokenizer has no chat template: pass chat_template=... or use generate()")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True
+                messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                **({"tools": tools} if tools else {}),
             )
         except jinja2.TemplateSyntaxError as e:  # the template's fault, not the messages'
             raise ChatTemplateSyntaxError(f"the chat template is not valid Jinja (line {e.lineno}): {e.message}") from e
@@ -117,6 +124,10 @@ class InputProcessor:
         check_slo("ttft_slo", ttft_slo)
         check_slo("tpot_slo", tpot_slo)
         self._check_vocab_params(params)
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs is not supported by this engine")
+            self.structured_output.validate(params)  # compiled now (or found compiled): errors are the caller's
         text, ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(ids))
         request = Request(

@@ -26,6 +26,7 @@ from pagellm.model.llama import sliding_window_of
 from pagellm.model.registry import model_class_for
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.cpu_tuning import keep_freed_memory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
@@ -125,11 +126,14 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         sampler = Sampler(sorted(self.eos_token_ids), self.device, args.seed)
+        # Constrained decoding; the grammar engine loads with the first constrained request.
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.model_runner = ModelRunner(
-            self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config)
+            self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
+            structured_output=self.structured_output,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
-                                              self.eos_token_ids)
+                                              self.eos_token_ids, structured_output=self.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_seq)
         self.requests: dict[str, Request] = {}
         self.step_observers: list[StepObserver] = []
@@ -145,10 +149,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
-        return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt)
+        """Token ids of a conversation through the tokenizer's chat template (with ``tools``, OpenAI's
+        function definitions, where the template renders them)."""
+        return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt, tools)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""

@@ -12,7 +12,7 @@ import torch
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.model.llama import head_dim_of
+from pagellm.model.llama import head_dim_of, sliding_window_of
 from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagellm.worker.cpu_tuning import available_host_memory
 
@@ -129,5 +129,7 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
             f"{device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
             f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
         ) from e
-    manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks)
+    # Where every layer attends to a window only, the blocks that fall out of it go back to the pool.
+    manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks,
+                             sliding_window=sliding_window_of(config))
     return cache_engine, manager, max_model_len

@@ -109,13 +109,15 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template
+        (given ``tools``, OpenAI's function definitions, where the template renders them)."""
         conversations = cast("list[list[Message]]",
                              [messages] if messages and isinstance(messages[0], dict) else messages)
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt)
+            ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt, tools)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -26,6 +26,7 @@ from pagellm.model.attention import (
     select_attention_backend,
 )
 from pagellm.model.attention.metadata import long_tensor
+from pagellm.structured_output import GrammarMask, StructuredOutputManager
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -66,8 +67,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         sliding_window: int | None = None,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.model = model
+        self.structured_output = structured_output  # None: no request may be constrained
         self.cache_engine = cache_engine
         self.sampler = sampler
         self.device = device
@@ -89,8 +92,11 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         batch = self.prepare(scheduler_output.scheduled)
+        # Constrained sequences' token masks are filled on another thread while the model runs.
+        so = self.structured_output
+        pending = so.start_mask(batch.sampling.seqs) if so is not None else None
         logits = self.run_model(batch)
-        return self.sample(batch.sampling, logits)
+        return self.sample(batch.sampling, logits, pending.result() if pending is not None else None)
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
@@ -194,11 +200,12 @@ class ModelRunner:
             hidden = hidden[batch.logits_rows]
         return self.model.compute_logits(hidden)
 
-    def sample(self, sampling: SamplingMetadata, logits: torch.Tensor) -> ModelRunnerOutput:
+    def sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
+               grammar: GrammarMask | None = None) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         num = len(sampling.seqs)
         if num:
-            for s, res in zip(sampling.seqs, self.sampler(logits[:num], sampling.seqs)):
+            for s, res in zip(sampling.seqs, self.sampler(logits[:num], sampling.seqs, grammar)):
                 result.samples[s.seq_id] = res
         if sampling.lp_rows:
             result.prompt_logprobs = self.prompt_logprobs(sampling, logits[num:])

@@ -11,6 +11,7 @@ from pagellm.core.runner_output import SampleResult, TokenLogprobs
 from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.bitmask import GrammarMask, apply_token_bitmask
 
 
 def top_logprobs(
@@ -49,12 +50,19 @@ class Sampler:
         for sid in seq_ids:
             self._seeded.pop(sid, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: (num_seqs, vocab) float32, one row per sequence in ``seqs``."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar: GrammarMask | None = None) -> list[SampleResult]:
+        """logits: (num_seqs, vocab) float32, one row per sequence in ``seqs``; ``grammar``: the tokens
+        the constrained rows may sample, applied after every other processor."""
         raw = logits
         params = [s.params for s in seqs]
-        if any(_needs_processing(s) for s in seqs):
+        processed_all = any(_needs_processing(s) for s in seqs)
+        if processed_all:
             logits = self._process(logits.clone(), seqs)
+        if grammar is not None and grammar.rows:
+            if logits is raw:
+                logits = logits.clone()
+            apply_token_bitmask(logits, grammar, unprocessed=raw if processed_all else None)
         # Chosen tokens' logprobs only where some request asks for them (as in vLLM): without, a
         # greedy step needs just the argmax, not a pass of exponentials over every logit.
         scored = [p.scores_samples for p in params]
@@ -63,7 +71,14 @@ class Sampler:
         fast = native.argmax_logsumexp(raw, with_lse=any(scored)) if any(greedy) or any(scored) else None
         chosen = None if all(greedy) else self._sample(logits, seqs)
         if any(greedy):
-            top = fast[0] if fast is not None and logits is raw else logits.argmax(dim=-1)
+            if fast is not None and logits is raw:
+                top = fast[0]
+            elif fast is not None and not processed_all and grammar is not None:
+                # Only the constrained rows changed: the rest keep the raw argmax.
+                g_rows = torch.tensor(grammar.rows, device=logits.device)
+                top = fast[0].index_copy(0, g_rows, logits.index_select(0, g_rows).argmax(dim=-1))
+            else:
+                top = logits.argmax(dim=-1)
             chosen = top if chosen is None else torch.where(torch.tensor(greedy, device=logits.device), top, chosen)
         assert chosen is not None  # seqs is never empty: every row is greedy or sampled
         tokens = chosen.tolist()
@@ -180,7 +195,8 @@ def _penalised(p: SamplingParams) -> bool:
 
 
 def _needs_processing(seq: Sequence) -> bool:
-    """Whether any logits processor changes this sequence's logits this step."""
+    """Whether any logits processor changes this sequence's logits this step (the grammar's mask
+    aside: it is applied on its own rows only)."""
     p = seq.params
     return bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens or _penalised(p)
 

@@ -47,7 +47,8 @@ def assert_greedy_matches(path: Path, prompts: list[list[int]], expected: list[l
 
 
 def assert_family_matches_transformers(path: Path, prompts: list[list[int]], expected: list[list[int]],
-                                       preemption_mode: str = "recompute") -> None:
+                                       preemption_mode: str = "recompute", num_kv_blocks: int = 48,
+                                       block_size: int = 4) -> None:
     """transformers' greedy tokens with block size 1 (batched and alone), block size 16 with chunked
     prefill, and under preemption (recompute re-runs the family's prefill over what it had made;
     swap only moves blocks, which the scheduling tests cover once for every family)."""
@@ -56,7 +57,8 @@ def assert_family_matches_transformers(path: Path, prompts: list[list[int]], exp
                                 max_num_batched_tokens=24, max_num_seqs=24)
     assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
     # 48 blocks of 4 = 192 slots, well under what the batch needs at its peak.
-    llm = assert_greedy_matches(path, prompts, expected, max_model_len=160, num_kv_blocks=48, block_size=4,
+    llm = assert_greedy_matches(path, prompts, expected, max_model_len=160, num_kv_blocks=num_kv_blocks,
+                                block_size=block_size,
                                 preemption_mode=preemption_mode, swap_space=0.05, max_num_batched_tokens=64,
                                 max_num_seqs=64)
     stats = llm.llm_engine.scheduler.stats

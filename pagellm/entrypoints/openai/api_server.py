@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import logging
@@ -42,6 +44,7 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
 
 logger = logging.getLogger("pagellm.server")
 
@@ -60,18 +63,38 @@ class GuardMiddleware:
     """API key check (constant-time) on every route but /health, a request-body size limit, and a
     deadline for the body (a client trickling it in holds a connection, not the server).
 
+    Under ``browser_paths`` (the dashboard) the key may also come as the password of HTTP Basic
+    credentials, which a browser asks its user for and then sends with every request of the page.
+
     Plain ASGI rather than a BaseHTTPMiddleware, so handlers still see client disconnects.
     """
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str] = (), max_body_bytes: int = 2**20,
-                 body_read_timeout: float = math.inf) -> None:
+                 body_read_timeout: float = math.inf, browser_paths: Sequence[str] = ()) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout = body_read_timeout
+        self.browser_paths = tuple(browser_paths)
 
-    def _authorized(self, auth: bytes) -> bool:
-        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+    def _in_browser_path(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.browser_paths)
+
+    @staticmethod
+    def _basic_password(auth: bytes) -> bytes:
+        try:
+            decoded = base64.b64decode(auth[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return b""
+        return decoded.partition(b":")[2]  # any user name: the password is the key
+
+    def _authorized(self, auth: bytes, browser: bool = False) -> bool:
+        if auth[:7].lower() == b"bearer ":
+            token = auth[7:].strip()
+        elif browser and auth[:6].lower() == b"basic ":
+            token = self._basic_password(auth)
+        else:
+            token = b""
         # Every key is compared (no early exit), so the time taken does not tell which one nearly matched.
         matches = [hmac.compare_digest(token, key) for key in self.api_keys]
         return any(matches)
@@ -83,11 +106,14 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         if self.api_keys and scope["path"] != "/health":
             auth = headers.get(b"authorization", b"")
-            if not self._authorized(auth):
+            browser = self._in_browser_path(scope["path"])
+            if not self._authorized(auth, browser):
                 message = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
                            else "invalid API key")
+                # A browser shows its password prompt on a Basic challenge (the key as the password).
+                challenge = 'Basic realm="pagellm", charset="UTF-8"' if browser else "Bearer"
                 await JSONResponse(error_body(401, message), status_code=401,
-                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                                   headers={"WWW-Authenticate": challenge})(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -159,16 +185,23 @@ class CORSSettings:
 def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] | None = None,
               max_waiting_requests: int | None = None, max_body_bytes: int = 2**20,
               chat_template: str | None = None, aliases: Sequence[str] = (),
-              body_read_timeout: float = math.inf, cors: CORSSettings | None = None) -> FastAPI:
+              body_read_timeout: float = math.inf, cors: CORSSettings | None = None,
+              enable_dashboard: bool = True, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
-    use, ``api_key`` one key or several (each accepted)."""
+    use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
+    /v1/kv_cache/state."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(metrics.on_step)
     if not engine.args.disable_log_stats:
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
-    serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases))
+    serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases),
+                            tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+    dashboard = Dashboard(async_engine, model_name) if enable_dashboard else None
+    if dashboard is not None:
+        async_engine.step_callbacks.append(dashboard.on_step)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -270,9 +303,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    if dashboard is not None:
+        add_dashboard_routes(app, dashboard)
+
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
-                       body_read_timeout=body_read_timeout)
+                       body_read_timeout=body_read_timeout,
+                       browser_paths=BROWSER_PATHS if dashboard is not None else ())
     if cors is not None and cors.allowed_origins:
         # Outside the key check: a browser's preflight carries no Authorization header.
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
@@ -332,7 +369,9 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,
                     max_body_bytes=max_body, chat_template=chat_template, aliases=names[1:],
-                    body_read_timeout=args.body_read_timeout, cors=cors)
+                    body_read_timeout=args.body_read_timeout, cors=cors,
+                    enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=False, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout))
@@ -346,5 +385,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     logger.info("listening on http://%s:%d (model %r)", args.host, args.port, name)
+    if not args.disable_dashboard:
+        logger.info("KV cache dashboard: http://%s:%d/dashboard", args.host, args.port)
     server.run(sockets=[sock])
     return server.exit_code

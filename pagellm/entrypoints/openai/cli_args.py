@@ -13,6 +13,8 @@ from typing import Any
 from pagellm.config import EngineArgs
 
 DEFAULT_MAX_BODY = "1MiB"
+# --tool-call-parser's choices (tool_parsers.TOOL_PARSERS, named here so that --help imports nothing).
+TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -50,6 +52,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let tool_choice 'auto' (the default when tools are given) read tool calls from the output "
+                        "with --tool-call-parser; 'required' and named functions need neither flag")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format: hermes (and qwen: <tool_call> JSON), llama3_json, mistral")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many queued requests, answer 503 with Retry-After")
     s.add_argument("--max-request-body-size", default=DEFAULT_MAX_BODY, help="largest request body (413 above)")
@@ -70,6 +77,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
                    help="uvicorn's own log level")
+    s.add_argument("--disable-dashboard", action="store_true",
+                   help="do not serve the live KV cache dashboard (GET /dashboard) nor its state "
+                        "(GET /v1/kv_cache/state)")
     s.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM scripts: pagellm does not log request contents")
     p.set_defaults(func=_run)

@@ -56,6 +56,7 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams
     # Accepted and ignored (IGNORED).
     user: str | None = None
     store: bool | None = None
@@ -84,6 +85,7 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's older names of structured_outputs' fields.
     guided_json: Any | None = None
     guided_regex: Any | None = None
     guided_choice: Any | None = None
@@ -97,7 +99,7 @@ class SamplingFields(StrictModel):
     # name -> the values (besides null) that change nothing, and so are accepted.
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,), "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
-        "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
+        "structural_tag": (),
         "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
     }
 
@@ -118,8 +120,6 @@ class SamplingFields(StrictModel):
             value = getattr(self, name)
             if value is not None and not any(type(value) is type(v) and value == v for v in noops):
                 return name
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return None
 
     def sampling_params(self, max_tokens: int | None, defaults: dict[str, Any] | None = None,
@@ -183,9 +183,25 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     # Content parts other than text (images, audio) are refused by the handler with a clear message.
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), and the
+    # call a tool message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments always match the schema here, strict or not
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -195,12 +211,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Accepted and ignored: no tools can be given (they are refused), and no reasoning is parsed out.
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
+    parallel_tool_calls: bool | None = None  # False: at most one call
+    # Accepted and ignored: no reasoning is parsed out.
     include_reasoning: bool | None = None
     # Declared only to be refused by name (REFUSED).
-    tools: Any | None = None
-    tool_choice: Any | None = None
     functions: Any | None = None
     function_call: Any | None = None
     audio: Any | None = None
@@ -217,10 +233,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "parallel_tool_calls", "include_reasoning")
+    IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "include_reasoning")
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingFields.REFUSED,
-        "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "audio": (),
+        "functions": ([],), "function_call": ("none",), "audio": (),
         "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
         "echo": (False,), "add_special_tokens": (False,), "continue_final_message": (False,), "documents": ([],),
         "chat_template": (), "chat_template_kwargs": ({},),

@@ -83,8 +83,12 @@ class OpenAIServing:
     """The state and helpers both handlers use (``OpenAIServingCompletion``, ``OpenAIServingChat``)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False) -> None:
         self.engine = engine
+        # --tool-call-parser and --enable-auto-tool-choice: how "auto" tool choice reads the output.
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name  # the name responses report
@@ -207,6 +211,16 @@ class OpenAIServing:
         prompt = len(job.prompt_ids[prompt_index])
         return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                           "total_tokens": prompt + completion_tokens}}
+
+    async def compile_constraint(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the request's output constraint on the tokenizing thread (the engine then finds it
+        compiled); a 400 naming ``field`` when the schema, regex or grammar is invalid."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.off_loop(self.llm.structured_output.validate, params)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from e
 
     def _check_fields(self, req: Any) -> None:
         """400 for fields that would change the output and are not implemented here."""

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
 from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
+from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -29,6 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError(400, f"best_of ({req.best_of}) > n ({req.n}) cannot be streamed: which samples are the "
                                 "best is known only at the end; drop stream or best_of", param="best_of")
+        constraint, constraint_field = request_constraint(req)
         prompts = await self._completion_prompts(req.prompt, req.add_special_tokens, req.truncate_prompt_tokens)
         # Left out, max_tokens is the model's generation_config.json max_new_tokens, else OpenAI's 16.
         max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else self.defaults.get("max_tokens", 16)
@@ -39,9 +41,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 best_of=req.best_of,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                structured_outputs=None if echo_only else constraint,
             )
         except ValueError as e:
             raise from_value_error(e) from e
+        await self.compile_constraint(params, constraint_field)
         for _, ids in prompts:
             if echo_only and len(ids) >= self.max_model_len:
                 raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "

@@ -1,0 +1,153 @@
+"""Tool calling for chat: ``tool_choice`` -> how the output is produced and read, and the stream of
+OpenAI's ``tool_calls`` deltas.
+
+``required`` and a named function constrain decoding with a JSON schema built from the tools, so the
+arguments always parse and match the function's ``parameters``: ``required`` generates a JSON array of
+``{"name": ..., "parameters": {...}}`` (as vLLM does), a named function its arguments object alone.
+``auto`` lets the model write freely and reads its calls with the ``--tool-call-parser``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.tool_parsers import ParsedOutput, PartialCall, ToolParser
+from pagellm.entrypoints.openai.tool_parsers.base import scan_call_array, skip_ws
+from pagellm.sampling_params import StructuredOutputsParams
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else ANY_OBJECT
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool."""
+    items = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                             "parameters": parameters_of(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+@dataclass
+class ToolMode:
+    """How one chat request's output becomes content and tool calls."""
+
+    kind: str  # "none" (plain text), "auto" (a parser reads it), "required" or "named" (constrained)
+    parser: ToolParser | None = None
+    function: str | None = None  # the named function
+    constraint: StructuredOutputsParams | None = None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.kind == "auto" and self.parser is not None and self.parser.keeps_special_tokens
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        if self.kind == "auto":
+            assert self.parser is not None
+            return self.parser.parse(text, final)
+        if self.kind == "named":
+            return ParsedOutput("", [PartialCall(self.function, text, final)])
+        if self.kind == "required":
+            j = skip_ws(text, 0)
+            if j >= len(text):
+                return ParsedOutput()
+            if text[j] != "[":
+                return ParsedOutput(text if final else "")
+            calls, end, malformed = scan_call_array(text, j)
+            out = ParsedOutput("", calls)
+            if final and (malformed or end is None or not out.tools_called):
+                return ParsedOutput(text)
+            return out
+        return ParsedOutput(text)
+
+
+def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+              parser_factory: Callable[[], ToolParser] | None, auto_enabled: bool) -> ToolMode:
+    """The request's ``ToolMode``; APIError 400 on a choice that does not fit its tools or the server."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice == "none":
+            return ToolMode("none")
+        if tool_choice not in ("auto", "required"):
+            raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or "
+                                f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}",
+                           param="tool_choice")
+        if not tools:
+            raise APIError(400, f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+        if tool_choice == "required":
+            return ToolMode("required", constraint=StructuredOutputsParams(
+                json=required_schema(tools, parallel is not False)))
+        if not auto_enabled or parser_factory is None:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set on the server; or ask for tool_choice 'required' or a named function",
+                           param="tool_choice")
+        return ToolMode("auto", parser=parser_factory())
+    name = None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+    if not isinstance(name, str):
+        raise APIError(400, "a named tool_choice is {'type': 'function', 'function': {'name': 'NAME'}}",
+                       param="tool_choice")
+    tool = next((t for t in tools or [] if t["function"]["name"] == name), None)
+    if tool is None:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                       param="tool_choice")
+    return ToolMode("named", function=name, constraint=StructuredOutputsParams(json=parameters_of(tool)))
+
+
+def message_tool_calls(parsed: ParsedOutput) -> list[dict[str, Any]]:
+    return [{"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.calls]
+
+
+@dataclass
+class ToolCallStream:
+    """What one streamed choice has sent: its content, and per call the header and argument text."""
+
+    mode: ToolMode
+    content_sent: int = 0
+    ids: list[str] = field(default_factory=list)
+    args_sent: list[int] = field(default_factory=list)
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The chat deltas that bring the client from what it has to ``text`` parsed."""
+        parsed = self.mode.parse(text, final)
+        out: list[dict[str, Any]] = []
+        if len(parsed.content) > self.content_sent and not (final and self.ids):
+            out.append({"content": parsed.content[self.content_sent:]})
+            self.content_sent = len(parsed.content)
+        for k, call in enumerate(parsed.calls):
+            if call.name is None:
+                break  # a call's arguments follow its name
+            if k == len(self.ids):
+                self.ids.append(tool_call_id())
+                self.args_sent.append(0)
+                out.append({"tool_calls": [{"index": k, "id": self.ids[k], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            fragment = call.arguments[self.args_sent[k]:]
+            if fragment:
+                self.args_sent[k] = len(call.arguments)
+                out.append({"tool_calls": [{"index": k, "function": {"arguments": fragment}}]})
+        return out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)

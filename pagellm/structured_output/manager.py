@@ -1,0 +1,116 @@
+"""StructuredOutputManager: compiles constraints (cached by their text), keeps each constrained
+sequence's grammar state, and fills a step's token bitmask while the model runs.
+
+Requests without ``structured_outputs`` never reach the grammar engine: a step with no constrained
+sequence costs one scan of its sequences' parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pagellm.core.sequence import Sequence
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
+from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
+
+logger = logging.getLogger(__name__)
+
+# Compiled constraints kept: a service sees a few schemas many times (its tools, its extractors).
+DEFAULT_CACHE_SIZE = 256
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.backend = GuidanceBackend(tokenizer, vocab_size, self.eos_token_ids)
+        self.cache_size = cache_size
+        self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        # Admission compiles on the server's threads while the engine's thread reads the cache.
+        self._lock = threading.Lock()
+        # Each constrained sequence's grammar state, dropped with the sequence.
+        self._grammars: weakref.WeakKeyDictionary[Sequence, GuidanceGrammar] = weakref.WeakKeyDictionary()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_compiled = 0  # cache misses (tests and logs)
+
+    # ------------------------------------------------------------ admission
+    def validate(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (or find it compiled); ValueError naming what is invalid."""
+        if params.structured_outputs is not None:
+            self.template(params.structured_outputs)
+
+    def template(self, so: StructuredOutputsParams) -> Any:
+        key = so.key()
+        with self._lock:
+            found = self._templates.get(key)
+            if found is not None:
+                self._templates.move_to_end(key)
+                return found
+        try:
+            template = self.backend.compile(so)
+        except ValueError:
+            raise
+        except Exception as e:  # the library's own refusal, whatever its type: the constraint's fault
+            raise ValueError(f"invalid structured_outputs.{so.kind}: {e}") from e
+        with self._lock:
+            self.num_compiled += 1
+            self._templates[key] = template
+            while len(self._templates) > self.cache_size:
+                self._templates.popitem(last=False)
+        return template
+
+    # ------------------------------------------------------------------ step
+    def grammar_for(self, seq: Sequence) -> GuidanceGrammar:
+        grammar = self._grammars.get(seq)
+        if grammar is None:
+            so = seq.params.structured_outputs
+            assert so is not None
+            grammar = self._grammars[seq] = self.backend.new_grammar(self.template(so))
+        return grammar
+
+    def grammar_state(self, seq: Sequence) -> GuidanceGrammar | None:
+        """The sequence's grammar state, if it has started one (tests, and a stopped grammar's check)."""
+        return self._grammars.get(seq)
+
+    def start_mask(self, seqs: list[Sequence]) -> Future[GrammarMask] | None:
+        """Begin filling the bitmask of this step's sampled sequences on a worker thread (the model's
+        forward pass runs meanwhile); None when none of them is constrained."""
+        if not any(s.params.structured_outputs is not None for s in seqs):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
+        return self._pool.submit(self.fill_mask, list(seqs))
+
+    def fill_mask(self, seqs: list[Sequence]) -> GrammarMask:
+        """The bitmask of the constrained ones among ``seqs`` (their row index in ``seqs``), each
+        grammar first brought up to its sequence's output tokens."""
+        rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        live: list[tuple[GuidanceGrammar, int]] = []
+        for k, i in enumerate(rows):
+            seq = seqs[i]
+            try:
+                grammar = self.grammar_for(seq)
+                grammar.advance(seq.output_token_ids)
+            except Exception:  # never fail the batch over one sequence's grammar
+                logger.exception("grammar of seq %d failed: it may only end now", seq.seq_id)
+                grammar = None
+            if grammar is None or grammar.failed:
+                set_only(bitmask[k], self.eos_token_ids)
+            else:
+                live.append((grammar, k))
+        self.backend.fill_bitmask(live, bitmask)
+        return GrammarMask(rows, bitmask)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
