@@ -54,7 +54,9 @@ LONGROPE_PROMPT_LENGTHS = [1, 3, 8, 33, 40, 100]
 def test_phi3_greedy_matches_transformers(phi3_path):
     if "longrope" not in phi3_path.name:
         prompts = family_prompts(seed=5)
-        assert_family_matches_transformers(phi3_path, prompts, transformers_greedy(phi3_path, prompts))
+        # With a window, out-of-window blocks go back to the pool: only a smaller one still preempts.
+        tight = dict(num_kv_blocks=10, block_size=16) if "window" in phi3_path.name else {}
+        assert_family_matches_transformers(phi3_path, prompts, transformers_greedy(phi3_path, prompts), **tight)
         return
     prompts = random_prompts(LONGROPE_PROMPT_LENGTHS, vocab=500, seed=5)
     expected = transformers_greedy(phi3_path, prompts)
