@@ -124,9 +124,14 @@ class KVCacheManager:
         if self.sliding_window is None or not table:
             return 0
         dead = min(max(0, seq.num_computed_tokens - self.sliding_window) // self.block_size, len(table))
-        freed = [table[i] for i in range(dead) if is_held(table[i])]
-        for i in range(dead):
+        # Stand-ins always form a prefix of the table: walk back from the last dead block to it, so a
+        # step costs only the blocks it frees.
+        freed = []
+        i = dead - 1
+        while i >= 0 and is_held(table[i]):
+            freed.append(table[i])
             table[i] = OUT_OF_WINDOW
+            i -= 1
         self.pool.free(freed)
         return len(freed)
 
