@@ -72,10 +72,13 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0,
-        sliding_window: int | None = None,
+        sliding_window: int | None = None, switch_length: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window
+        # A longrope model's switch (phi3.longrope_switch_length): blocks of sequences past it hold
+        # other keys than the same tokens' blocks of shorter sequences.
+        self.switch_length = switch_length
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVBlock]] = {}
@@ -143,8 +146,14 @@ class KVCacheManager:
         while len(keys) <= index:
             i = len(keys)
             parent = keys[i - 1][0] if i else None
-            # Extra keys (the cache salt) enter the first block, and through the chain all others.
-            key = (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)), seq.request.cache_salt if i == 0 else None)
+            # Extra keys (the cache salt; the side of a longrope switch the sequence is on) enter the
+            # first block, and through the chain all others.
+            extra: object = None
+            if i == 0:
+                extra = seq.request.cache_salt
+                if self.switch_length is not None and seq.num_tokens > self.switch_length:
+                    extra = (extra, "long")
+            key = (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)), extra)
             keys.append((hash_block_key(key), key))
         return keys[index]
 

@@ -48,6 +48,9 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # swap, recompute, or auto (swap while the CPU pool has room)
     default_ttft_slo: float | None = None
     default_tpot_slo: float | None = None
+    # A sequence that grows past this length is computed again from its first token (the long factors
+    # of a longrope model, as transformers' generate does); None: never.
+    recompute_past_length: int | None = None
 
 
 @dataclass
@@ -361,7 +364,23 @@ class Scheduler:
                     self.stats.num_prompt_tokens += len(s.request.prompt_token_ids)
                 self._check_stop(s, sample.token_id)
                 touched.append(s)
+                self._recompute_if_past_switch(s)
         return touched
+
+    def _recompute_if_past_switch(self, seq: Sequence) -> None:
+        """Send ``seq`` back to be computed from its first token when this token took it past
+        ``recompute_past_length`` (its earlier tokens were computed on the other side of it)."""
+        switch = self.config.recompute_past_length
+        if switch is None or seq.status is not SequenceStatus.RUNNING or seq.num_tokens != switch + 1 \
+                or seq.num_computed_tokens > switch:
+            return
+        self.running.remove(seq)
+        freed = self.kv_cache_manager.free(seq)
+        seq.block_keys.clear()  # the prefix keys change side with the sequence
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(self.waiting, seq)
+        logger.debug("seq %d passed %d tokens: computed again (%d blocks freed)", seq.seq_id, switch, freed)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         request = parent.request

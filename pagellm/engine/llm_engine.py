@@ -23,6 +23,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.llama import sliding_window_of
+from pagellm.model.phi3 import longrope_switch_length
 from pagellm.model.registry import model_class_for
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -108,6 +109,9 @@ class LLMEngine:
         self.block_size = args.block_size
         self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
             args, config, self.dtype, self.device, self.max_model_len)
+        # A longrope model computes a sequence again when it outgrows its short factors.
+        switch_length = longrope_switch_length(config, self.max_model_len)
+        self.kv_cache_manager.switch_length = switch_length
         budget = args.step_token_budget(self.max_model_len)
         self.eos_token_ids = startup.eos_token_ids(files.generation_config_folder, config, self.tokenizer)
         self.scheduler = Scheduler(
@@ -121,13 +125,15 @@ class LLMEngine:
                 preemption_mode=args.preemption_mode,
                 default_ttft_slo=args.default_ttft_slo,
                 default_tpot_slo=args.default_tpot_slo,
+                recompute_past_length=switch_length,
             ),
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
         )
         sampler = Sampler(sorted(self.eos_token_ids), self.device, args.seed)
         # Constrained decoding; the grammar engine loads with the first constrained request.
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                         self.max_model_len)
         self.model_runner = ModelRunner(
             self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
             structured_output=self.structured_output,

@@ -5,11 +5,12 @@ as ours, so its names map one to one; the rotation may cover only the first ``pa
 of each head's dims; and "longrope" scaling has short and long frequencies (Phi3RotaryEmbedding in
 layers.py). transformers picks the long ones for a whole forward once its sequence is longer than
 ``original_max_position_embeddings``; here each sequence of the batch is judged alone, by the length
-it reaches in the step, so sequences on either side of that length share a step. Two cases still
-differ from transformers' ``generate``: when a sequence first grows past the original length,
-generate drops its cache and recomputes every earlier token with the long factors, where the keys
-cached here stay as they were (as transformers' forward with a kept cache); and a prompt longer than
-the original length that is chunked reads the short factors in chunks that end within it.
+its whole sequence has, so sequences on either side of that length share a step. As transformers'
+``generate`` does (it drops its cache there), a sequence that first grows past the original length
+is computed again from its first token with the long factors: the scheduler sends it back to the
+waiting queue at that length, and the prefix cache keys blocks by the side of the length their
+sequence was on, so that short-factor keys never serve a long sequence. Every chunk of a long
+prompt reads the long factors, as the whole prompt does in one forward.
 A window (``sliding_window``) is the model-wide one, as for Mistral; there are no biases.
 """
 
@@ -20,17 +21,30 @@ from typing import Any, cast
 import torch
 
 from pagellm.model.attention import AttentionMetadata, KVCache
-from pagellm.model.layers import Phi3RotaryEmbedding
+from pagellm.model.layers import Phi3RotaryEmbedding, rope_parameters
 from pagellm.model.llama import DecoderLayer, LlamaForCausalLM, head_dim_of
 
 
 def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """(num_tokens,) for each row of the flat batch, how many tokens its sequence has once this step
-    is done: a decode row's position + 1, a prefill chunk's context length for each of its rows."""
+    """(num_tokens,) for each row of the flat batch, how long its sequence is: a decode row's
+    position + 1; for each row of a prefill chunk, the whole sequence's length (every chunk of a long
+    prompt reads the factors the whole prompt would in one forward)."""
     lengths = positions + 1  # right for decodes (rows [0, num_decodes), one per sequence)
     for span in meta.prefills:
-        lengths[span.q_start : span.q_start + span.q_len] = span.context_len
+        lengths[span.q_start : span.q_start + span.q_len] = span.seq_len or span.context_len
     return lengths
+
+
+def longrope_switch_length(config: Any, max_model_len: int) -> int | None:
+    """The length past which a longrope model (Phi-3) reads its long factors, where ``max_model_len``
+    lets a sequence get past it; None for any other model. A sequence that grows past it is computed
+    again from its first token, and the prefix cache keys blocks by the side of it they were computed
+    on (see the module docstring)."""
+    params = rope_parameters(config)
+    if params.get("rope_type") != "longrope":
+        return None
+    original = int(params["original_max_position_embeddings"])
+    return original if max_model_len > original else None
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

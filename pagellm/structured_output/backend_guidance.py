@@ -83,19 +83,23 @@ def grammar_text(params: StructuredOutputsParams, lenient: bool = False) -> str:
 
 
 class GuidanceGrammar:
-    """One sequence's matcher and how many of its output tokens it has consumed."""
+    """One sequence's matcher, how many of its output tokens it has consumed, and from which of them
+    on its document wraps up (see wrap_up.py)."""
 
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("matcher", "num_tokens", "wrap_up_from")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.num_tokens = 0
+        self.wrap_up_from: int | None = None
 
     def advance(self, tokens: list[int]) -> None:
         """Bring the matcher to the end of ``tokens`` (the sequence's output so far): consume the new
         ones, or roll back those no longer there. The state is a function of the tokens alone, so a
         preempted sequence (swapped, or recomputed from its tokens) resumes exactly where it was."""
         n = len(tokens)
+        if self.wrap_up_from is not None and n < self.wrap_up_from:
+            self.wrap_up_from = None
         if n < self.num_tokens:
             if not self.matcher.rollback(self.num_tokens - n):
                 self.matcher = None  # (cannot happen: rollback is bounded by the tokens consumed)

@@ -19,6 +19,7 @@ from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
+from pagellm.structured_output.wrap_up import LOOKAHEAD, SLACK, WrapUpMasks, is_looping, tokens_left
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +28,11 @@ DEFAULT_CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], max_model_len: int,
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._wrap_up_masks: WrapUpMasks | None = None
         self.eos_token_ids = sorted(eos_token_ids)
         self.backend = GuidanceBackend(tokenizer, vocab_size, self.eos_token_ids)
         self.cache_size = cache_size
@@ -107,8 +110,31 @@ class StructuredOutputManager:
                 set_only(bitmask[k], self.eos_token_ids)
             else:
                 live.append((grammar, k))
+                if grammar.wrap_up_from is None and self.should_wrap_up(seq, grammar):
+                    grammar.wrap_up_from = seq.num_output_tokens
         self.backend.fill_bitmask(live, bitmask)
+        for grammar, k in live:
+            if grammar.wrap_up_from is not None:
+                self.wrap_up_masks.narrow(bitmask[k])
         return GrammarMask(rows, bitmask)
+
+    def should_wrap_up(self, seq: Sequence, grammar: GuidanceGrammar) -> bool:
+        """A JSON document whose model repeats itself, or whose tokens left barely close it (see wrap_up.py)."""
+        so = seq.params.structured_outputs
+        if so is None or so.kind not in ("json", "json_object"):
+            return False
+        if is_looping(seq.output_token_ids):
+            return True
+        left = tokens_left(seq.num_output_tokens, seq.params.max_tokens, seq.num_tokens, self.max_model_len)
+        if left > LOOKAHEAD:
+            return False
+        return self.wrap_up_masks.tokens_to_close(grammar.matcher, left) + SLACK >= left
+
+    @property
+    def wrap_up_masks(self) -> WrapUpMasks:
+        if self._wrap_up_masks is None:
+            self._wrap_up_masks = WrapUpMasks(self.backend.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._wrap_up_masks
 
     def close(self) -> None:
         if self._pool is not None:

@@ -156,7 +156,8 @@ class ModelRunner:
         q_start = first_row
         for it in prefills:
             n = it.num_new_tokens
-            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(it.block_table, self.device)))
+            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(it.block_table, self.device),
+                                     it.seq.num_tokens))
             q_start += n
         return spans
 

@@ -13,6 +13,7 @@ from tests.model.family_parity import (
     assert_family_matches_transformers,
     assert_greedy_matches,
     family_prompts,
+    greedy,
     transformers_greedy,
 )
 
@@ -60,10 +61,12 @@ def test_phi3_greedy_matches_transformers(phi3_path):
         return
     prompts = random_prompts(LONGROPE_PROMPT_LENGTHS, vocab=500, seed=5)
     expected = transformers_greedy(phi3_path, prompts)
-    # Chunked prefill is left out: a chunk decides by the length its sequence reaches so far, not the
-    # whole prompt's (phi3.py's module docstring).
     for block_size in (1, 16):
         assert_greedy_matches(phi3_path, prompts, expected, block_size=block_size, num_kv_blocks=4096 // block_size)
+    # Chunks of 16 tokens: every chunk of a prompt longer than the original length reads the long factors.
+    llm = assert_greedy_matches(phi3_path, prompts, expected, block_size=16, num_kv_blocks=256,
+                                max_num_batched_tokens=16, max_num_seqs=16)
+    assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
 
 
 def test_phi3_bfloat16_logprobs_close(phi3_path):
@@ -71,41 +74,24 @@ def test_phi3_bfloat16_logprobs_close(phi3_path):
     assert_bfloat16_logprobs_close(phi3_path)
 
 
-def hf_greedy_keeping_cache(path, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy tokens with its KV cache kept across the original length (its forward picks
-    the factors from each call's positions, and the cached keys stay as they were computed)."""
-    from transformers import DynamicCache
-
-    model = hf_model(path)
-    tokens: list[int] = []
-    with torch.no_grad():
-        out = model(torch.tensor([prompt]), cache=DynamicCache(config=model.config), use_cache=True)
-        for i in range(new_tokens):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([tokens[-1:]]), cache=out.cache, use_cache=True,
-                        position_ids=torch.tensor([[len(prompt) + i]]))
-    return tokens
-
-
 CROSSING_LENGTHS = [20, 31, 32]  # + 24 generated tokens: each passes the original length while decoding
 
 
-def test_phi3_longrope_crossing_uses_long_factors_from_then_on(longrope_path):
-    """A sequence that grows past the original length rotates its new tokens with the long factors
-    from that step on, its cached keys as they were, in a batch with sequences on either side."""
-    prompts = random_prompts(CROSSING_LENGTHS, vocab=500, seed=6) + random_prompts([3, 40], vocab=500, seed=7)
-    expected = [hf_greedy_keeping_cache(longrope_path, p, 24) for p in prompts]
-    assert_greedy_matches(longrope_path, prompts, expected, block_size=16)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers' Phi3ForCausalLM.prepare_inputs_for_generation drops the cache when a sequence first "
-    "passes original_max_position_embeddings, so generate recomputes every earlier token with the long "
-    "factors; pagellm keeps the cached keys (matching that needs the scheduler to recompute the sequence)"))
 def test_phi3_longrope_crossing_matches_generate(longrope_path):
-    prompts = random_prompts(CROSSING_LENGTHS, vocab=500, seed=6)
+    """A sequence that grows past the original length is computed again with the long factors, as
+    transformers' generate does, in a batch with sequences on either side of it; with prefix caching,
+    the blocks computed with the short factors serve no sequence past the original length."""
+    prompts = random_prompts(CROSSING_LENGTHS, vocab=500, seed=6) + random_prompts([3, 40], vocab=500, seed=7)
     expected = [hf_greedy(longrope_path, p, 24) for p in prompts]
     assert_greedy_matches(longrope_path, prompts, expected, block_size=16)
+    # A shared 32-token prefix: the first prompts fill the cache with short-factor blocks, then the
+    # longer one (long factors throughout) must not read them.
+    shared = random_prompts([32], vocab=500, seed=8)[0]
+    prompts = [shared[:20], shared + [7, 8, 9]]
+    expected = [hf_greedy(longrope_path, p, 24) for p in prompts]
+    llm = assert_greedy_matches(longrope_path, prompts[:1], expected[:1], block_size=4, enable_prefix_caching=True)
+    (out,) = llm.generate([prompts[1]], greedy(24), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[1]
 
 
 def test_phi3_rotary_tables_and_partial_rotation(longrope_path):

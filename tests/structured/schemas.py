@@ -67,3 +67,48 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 REGEXES = [r"\d{3}-\d{4}", r"(yes|no)", r"[a-z]{2,5}@[a-z]{3}\.(com|org)", r"#[0-9a-f]{6}",
            r"[A-Z][a-z]{1,6} [0-9]{1,3}"]
 CHOICES = [["yes", "no"], ["red", "green", "blue"], ["positive", "negative", "neutral"], ["A", "B", "C", "D"]]
+
+
+def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": {**required, **(optional or {})}, "required": list(required)}
+
+
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+
+
+def _list(items: dict[str, Any], **bounds: int) -> dict[str, Any]:
+    return {"type": "array", "items": items, **bounds}
+
+
+# Schemas as applications write them (unbounded strings, numbers and arrays), each with the request
+# that goes with it: a real model writes content, and may loop, where a random one writes noise.
+EVERYDAY_SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
+    "person": (_obj({"name": STR, "age": INT}), "Describe a fictional person."),
+    "city": (_obj({"city": STR, "country": STR, "population": INT}), "Tell me about Paris."),
+    "tags": (_obj({"tags": _list(STR)}), "Give three tags for a blog post about cooking pasta."),
+    "colors": (_obj({"colors": _list({"type": "string", "enum": ["red", "green", "blue"]})}),
+               "List some primary colors."),
+    "book": (_obj({"title": STR, "author": STR, "year": INT, "genres": _list(STR)}), "Describe a famous book."),
+    "sentiment": (_obj({"sentiment": {"enum": ["positive", "negative", "neutral"]}, "confidence": NUM}),
+                  "Classify the sentiment: 'I love this product!'"),
+    "address": (_obj({"street": STR, "city": STR, "zip": STR}), "Make up an address."),
+    "user record": (_obj({"user": _obj({"id": INT, "email": STR}), "active": BOOL}), "Create a user record."),
+    "todo list": (_obj({"items": _list(_obj({"task": STR, "done": BOOL}))}), "Write a todo list with two items."),
+    "primes": (_list(INT), "List the first five prime numbers."),
+    "weather": (_obj({"location": STR, "temperature": NUM, "unit": {"enum": ["celsius", "fahrenheit"]}}),
+                "What's the weather in London?"),
+    "movie review": (_obj({"title": STR, "rating": {"type": "number", "minimum": 0, "maximum": 10},
+                           "actors": _list(STR, maxItems=3)}), "Review a movie."),
+    "recipe": (_obj({"name": STR, "ingredients": _list(_obj({"item": STR, "quantity": STR})), "steps": _list(STR)}),
+               "Give me a pancake recipe."),
+    "yes or no": (_obj({"answer": BOOL, "reason": STR}), "Is the sky blue?"),
+    "product": (_obj({"name": STR, "price": NUM, "in_stock": BOOL,
+                      "category": {"enum": ["electronics", "books", "clothing"]}}), "Describe a laptop for sale."),
+    "dated event": (_obj({"event": STR, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}}),
+                    "When did the moon landing happen?"),
+    "optional nickname": (_obj({"name": STR}, {"nickname": STR}), "Name a famous scientist."),
+    "matrix": (_obj({"rows": _list(_list(INT))}), "Give a 2x2 identity matrix."),
+    "company": (_obj({"company": STR, "employees": _list(_obj({"name": STR, "role": STR}))}),
+                "Describe a small startup with two employees."),
+    "string or number": (_obj({"value": {"anyOf": [STR, INT]}}), "Give me a value."),
+}

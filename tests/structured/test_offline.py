@@ -39,9 +39,9 @@ def test_schema_as_text_and_json_object(llm):
     out = llm.generate("x", constrained(json=json.dumps(SCHEMAS["flat"])), use_tqdm=False)[0].outputs[0]
     jsonschema.validate(json.loads(out.text), SCHEMAS["flat"])
     out = llm.generate("x", constrained(json_object=True, max_tokens=400), use_tqdm=False)[0].outputs[0]
-    if out.finish_reason == "stop":  # free-form keys and strings may run past max_tokens on random weights
-        assert isinstance(json.loads(out.text), dict)
-    assert out.text.startswith("{")
+    # Free-form keys and strings would run past max_tokens on random weights: the document wraps up.
+    assert out.finish_reason == "stop", out.text
+    assert isinstance(json.loads(out.text), dict)
 
 
 @pytest.mark.parametrize("regex", REGEXES)

@@ -73,9 +73,8 @@ def test_json_object_and_completions_structured_outputs(client):
     r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=400, temperature=0.7, seed=3,
                                        response_format={"type": "json_object"})
     text = r.choices[0].message.content or ""
-    assert text.startswith("{")
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(text), dict)
+    assert r.choices[0].finish_reason == "stop", text  # the document wraps up before max_tokens
+    assert isinstance(json.loads(text), dict)
     for i, regex in enumerate(REGEXES):
         c = client.completions.create(model=MODEL, prompt="Say:", max_tokens=40, seed=i, temperature=1.0,
                                       extra_body={"structured_outputs": {"regex": regex}})

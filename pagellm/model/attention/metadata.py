@@ -36,6 +36,9 @@ class PrefillSpan:
     q_len: int
     context_len: int  # tokens cached before this chunk + q_len
     block_table: torch.Tensor  # [num_blocks_of_seq] int64
+    # The whole sequence's tokens known when the step was scheduled (a chunked prompt's full length);
+    # None: context_len. Longrope picks its factors by it.
+    seq_len: int | None = None
 
 
 class DecodeMetadata:
@@ -100,7 +103,7 @@ def choose_output_rows(meta: AttentionMetadata, num_tokens: int, num_decodes: in
         if at == len(wanted) or wanted[at] >= end:
             continue  # a chunk that samples nothing: only its K/V is needed
         first = wanted[at]
-        spans.append(PrefillSpan(len(kept), end - first, span.context_len, span.block_table))
+        spans.append(PrefillSpan(len(kept), end - first, span.context_len, span.block_table, span.seq_len))
         kept.extend(range(first, end))
     if len(kept) == num_tokens:
         return None
