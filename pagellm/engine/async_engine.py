@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 from pagellm.core.sequence import Request
+from pagellm.distributed.tensor_parallel import WorkerDiedError
 from pagellm.engine.faults import FaultInjector
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
@@ -144,6 +145,7 @@ class AsyncLLMEngine:
         for stream in self._final_on_abort.values():
             stream.put(EngineDeadError("the server is shutting down"))
         self._final_on_abort.clear()
+        self.engine.shutdown()
 
     def abort_all(self) -> int:
         """Abort every request in flight and refuse new ones (a shutdown whose grace period is over).
@@ -377,6 +379,8 @@ class AsyncLLMEngine:
             outputs = await asyncio.shield(self._step)
         except asyncio.CancelledError:
             raise
+        except WorkerDiedError:
+            raise  # no step can run any more: the loop dies, saying why
         except Exception as e:
             self._serve_reads()
             self._step_failed(e)

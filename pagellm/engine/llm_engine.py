@@ -17,6 +17,8 @@ from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
+from pagellm.distributed.sharding import check_shardable
+from pagellm.distributed.tensor_parallel import TensorParallelDriver
 from pagellm.engine import startup
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
@@ -104,11 +106,21 @@ class LLMEngine:
         if args.trust_remote_code:
             logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
                         "model classes")
-        self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len)
+        # Tensor parallelism: the other ranks start loading their shares while this one loads its own.
+        self.tensor_parallel: TensorParallelDriver | None = None
+        world = args.tensor_parallel_size
+        if world > 1:
+            check_shardable(config, world)
+            self.tensor_parallel = TensorParallelDriver(args, self.device)
+        self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len,
+                                       tensor_parallel=(0, world) if world > 1 else None)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
+        # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)
         self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
-            args, config, self.dtype, self.device, self.max_model_len)
+            args, self.model.config, self.dtype, self.device, self.max_model_len)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.share_kv_cache_size(self.kv_cache_manager.num_blocks, self.max_model_len)
         # A longrope model computes a sequence again when it outgrows its short factors.
         switch_length = longrope_switch_length(config, self.max_model_len)
         self.kv_cache_manager.switch_length = switch_length
@@ -300,7 +312,7 @@ class LLMEngine:
             self.model_runner.sampler.forget(scheduler_output.finished_seq_ids)
             return []
         if not scheduler_output.scheduled:  # only block moves this step (a swap-in issued ahead)
-            self.model_runner.execute(scheduler_output)
+            self.execute_model(scheduler_output)
             return []
         result = self._execute(scheduler_output)
         self.output_processor.add_prompt_logprobs(scheduler_output, result)
@@ -311,11 +323,22 @@ class LLMEngine:
             self.output_processor.detokenize(seq)
         return self._make_outputs(dict.fromkeys(seq.request for seq in touched))
 
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The model runner's step; under tensor parallelism, sent to every rank first."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.execute(self.model_runner, scheduler_output)
+        return self.model_runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine computes no step after this)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self.step_observers:
-            return self.model_runner.execute(scheduler_output)
+            return self.execute_model(scheduler_output)
         t0 = time.perf_counter()
-        result = self.model_runner.execute(scheduler_output)
+        result = self.execute_model(scheduler_output)
         seconds = time.perf_counter() - t0
         for observer in self.step_observers:
             observer.executed(self, scheduler_output, seconds)

@@ -12,8 +12,9 @@ import torch
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.model.llama import head_dim_of, sliding_window_of
-from pagellm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagellm.engine.sizing import KVCacheSizing
+from pagellm.model.llama import sliding_window_of
+from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.cpu_tuning import available_host_memory
 
 logger = logging.getLogger("pagellm.engine.llm_engine")
@@ -92,10 +93,11 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
     memory settings, and the max_model_len they serve: the model's own limit is lowered to what the
     pool holds when --max-model-len was not given (with a log line); ValueError naming the flags
     when an asked max_model_len does not fit or the allocator refuses."""
-    num_layers = config.num_hidden_layers
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = head_dim_of(config)
-    block_bytes = bytes_per_block(num_layers, args.block_size, num_kv_heads, head_dim, dtype)
+    # The same arithmetic as `pagellm plan` (engine/sizing.py). ``config`` is this rank's: under tensor
+    # parallelism the model's sharded config, whose KV heads already are its share, so no split here.
+    sizing = KVCacheSizing.for_model(config, args.block_size, dtype, args.kv_cache_dtype)
+    num_layers, num_kv_heads, head_dim = sizing.num_layers, sizing.num_kv_heads, sizing.head_dim
+    block_bytes = sizing.bytes_per_block
     num_blocks = args.num_kv_blocks if args.num_kv_blocks is not None else kv_budget_bytes(args, device) // block_bytes
     needed = cdiv(max_model_len, args.block_size)
     if num_blocks < needed and args.max_model_len is None and num_blocks > 0:

@@ -1,4 +1,4 @@
-"""The ``pagellm`` command: ``generate``, ``serve`` and ``bench``.
+"""The ``pagellm`` command: ``generate``, ``serve``, ``bench`` and ``plan``.
 
 Only the parser of the command being run is built, and each command imports what it needs when it
 runs: ``pagellm --help`` answers without loading torch, and a plain install (no extras) runs every
@@ -128,11 +128,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pagellm.entrypoints import plan
+
+    return plan.add_parser(sub)
+
+
 # command -> (one-line help for `pagellm --help`, the function that adds its parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]] = {
     "generate": ("generate completions for prompts given on the command line", _add_generate),
     "serve": ("serve the OpenAI-compatible API", _add_serve),
     "bench": ("benchmarks against the peers: throughput, serve, memory", _add_bench),
+    "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
 }
 
 
@@ -154,7 +161,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine",
                                      formatter_class=HelpFormatter)
     add_log_level(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,plan}")
     wanted = _command_in(argv) if argv is not None else None
     for name, (help, add) in COMMANDS.items():
         if argv is None or name == wanted:

@@ -181,8 +181,11 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int
+    files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> nn.Module:
+    """The model with its weights; ``tensor_parallel`` (rank, world): that rank's share of it, cut
+    from the whole weights before they are packed (distributed/sharding.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     cls = model_class_for(getattr(config, "architectures", None))
@@ -204,5 +207,9 @@ def load_model(
                        else iterate_weights(files.folder))
             model.load_weights(weights)
     model.eval()
+    if tensor_parallel is not None and tensor_parallel[1] > 1:
+        from pagellm.distributed.sharding import shard_model_
+
+        shard_model_(model, *tensor_parallel)
     pack_linear_layers(model, dtype, device)
     return model

@@ -7,12 +7,6 @@ import torch
 from pagellm.worker.cpu_tuning import zeros_on_huge_pages
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for ``block_size`` tokens."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
-
-
 def kv_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of one layer's (K, V) pools: per block and KV head, keys transposed (head_dim x block_size)
     and values token by token (block_size x head_dim); see pagellm/model/attention/__init__.py."""

@@ -98,6 +98,15 @@ class ModelRunner:
         logits = self.run_model(batch)
         return self.sample(batch.sampling, logits, pending.result() if pending is not None else None)
 
+    @torch.inference_mode()
+    def forward_only(self, scheduler_output: SchedulerOutput) -> None:
+        """A tensor-parallel worker's share of a step: the block moves and the forward pass (its K/V
+        and the all-reduces); rank 0 computes the logits and samples."""
+        self.move_blocks(scheduler_output)
+        if scheduler_output.scheduled:
+            batch = self.prepare(scheduler_output.scheduled)
+            self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
         self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)

@@ -87,6 +87,7 @@ class _Seq:
 
     def __init__(self, seq_id: int, prompt: list[int]) -> None:
         self.seq_id, self.prompt_token_ids = seq_id, prompt
+        self.num_tokens = len(prompt)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return self.prompt_token_ids[start:end]

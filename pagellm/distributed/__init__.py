@@ -1,0 +1,1 @@
+"""Running one model over several processes: tensor parallelism on torch.distributed."""

@@ -1,0 +1,227 @@
+"""Memory sizing: the KV cache's bytes per token and per block, the blocks a byte budget holds, and a
+model's weight bytes (whole and per tensor-parallel rank).
+
+The engine allocates its KV pool by these numbers (``startup.allocate_kv_cache``) and ``pagellm plan``
+reports them, so a plan and a running engine cannot disagree. Nothing here loads weights: the weight
+sizes come from the checkpoint's headers (safetensors) or tensor table (GGUF).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagellm.core.kv_cache_manager import cdiv
+
+# vLLM's --kv-cache-dtype names: auto keeps the model's dtype; the fp8 ones store one byte per element.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Bytes per element of the model dtypes (vLLM's --dtype names and aliases, and torch's).
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# safetensors' dtype codes -> bytes per element.
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                           "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a model dtype: a ``torch.dtype`` or one of vLLM's names (``"bfloat16"``)."""
+    itemsize = getattr(dtype, "itemsize", None)
+    if isinstance(itemsize, int):
+        return itemsize
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
+    """Bytes of one K or V element: the model dtype's for ``auto``, 1 for the fp8 formats."""
+    if kv_cache_dtype == "auto":
+        return dtype_bytes(model_dtype)
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return 1
+    raise ValueError(f"unknown kv_cache_dtype (--kv-cache-dtype) {kv_cache_dtype!r}: use one of "
+                     f"{', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads each rank stores: an even share, or one (replicated) where there are fewer KV heads
+    than ranks, as vLLM does."""
+    return max(1, cdiv(num_kv_heads, tensor_parallel_size))
+
+
+@dataclass(frozen=True)
+class KVCacheSizing:
+    """The KV pool of one rank: K and V of ``num_layers`` layers, ``num_kv_heads`` heads (this rank's)
+    of ``head_dim`` elements of ``element_bytes`` bytes, in blocks of ``block_size`` tokens."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    element_bytes: int
+
+    @classmethod
+    def for_model(cls, config: Any, block_size: int, dtype: Any, kv_cache_dtype: str = "auto",
+                  tensor_parallel_size: int = 1) -> KVCacheSizing:
+        """One rank's KV sizing: from the whole model's config and ``tensor_parallel_size``, or from a
+        rank's sharded config (its KV heads already its share) with the default of 1."""
+        from pagellm.model.llama import head_dim_of
+
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return cls(config.num_hidden_layers, kv_heads_per_rank(total_kv_heads, tensor_parallel_size),
+                   head_dim_of(config), block_size, kv_element_bytes(kv_cache_dtype, dtype))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks(self, budget_bytes: int) -> int:
+        """Whole blocks that fit ``budget_bytes``."""
+        return budget_bytes // self.bytes_per_block
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one sequence of ``num_tokens`` tokens holds."""
+        return cdiv(num_tokens, self.block_size)
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class WeightTensor:
+    """One tensor of a checkpoint: its name (Hugging Face's or GGUF's), elements and bytes in the file."""
+
+    name: str
+    numel: int
+    file_bytes: int
+
+
+def safetensors_tensors(files: list[Path]) -> list[WeightTensor]:
+    """The tensors of safetensors files, read from their headers only."""
+    tensors = []
+    for file in files:
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+        except (OSError, struct.error, ValueError) as e:
+            raise ValueError(f"cannot read the header of the weights file {file}: {e} (is it safetensors?)") from e
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            tensors.append(WeightTensor(name, math.prod(entry["shape"]), end - begin))
+    return tensors
+
+
+# GGUF metadata value types -> struct codes of their fixed sizes (8 string, 9 array: read apart).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_tensors(path: Path) -> list[WeightTensor]:
+    """The tensors of a GGUF file, from its header's tensor table: the metadata before it (a tokenizer's
+    vocabulary among it) is skipped, not decoded, and no tensor data is read."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with path.open("rb") as f, contextlib.ExitStack() as stack:
+        try:
+            buf: Any = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            if buf[:4] != b"GGUF":
+                raise ValueError("no GGUF magic")
+            order = "<" if struct.unpack_from("<I", buf, 4)[0] < 2**16 else ">"
+            pos = 8
+
+            def read(code: str) -> Any:
+                nonlocal pos
+                (value,) = struct.unpack_from(order + code, buf, pos)
+                pos += struct.calcsize(code)
+                return value
+
+            def skip_value(kind: int) -> None:
+                nonlocal pos
+                if kind == 8:
+                    length = read("Q")
+                    pos += length
+                elif kind == 9:
+                    item, count = read("I"), read("Q")
+                    if item in _GGUF_SCALARS:
+                        pos += count * struct.calcsize(_GGUF_SCALARS[item])
+                    else:
+                        for _ in range(count):
+                            skip_value(item)
+                elif kind in _GGUF_SCALARS:
+                    pos += struct.calcsize(_GGUF_SCALARS[kind])
+                else:
+                    raise ValueError(f"unknown GGUF metadata type {kind}")
+
+            num_tensors, num_fields = read("Q"), read("Q")
+            for _ in range(num_fields):
+                key_length = read("Q")
+                pos += key_length
+                skip_value(read("I"))
+            tensors = []
+            for _ in range(num_tensors):
+                name_length = read("Q")
+                name = bytes(buf[pos:pos + name_length]).decode()
+                pos += name_length
+                numel = math.prod(read("Q") for _ in range(read("I")))
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(read("I"))]
+                read("Q")  # the data offset
+                tensors.append(WeightTensor(name, numel, numel // block * block_bytes))
+            return tensors
+        except (struct.error, KeyError, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the tensor table of the GGUF file {path}: {e} (is it truncated?)") from e
+
+
+# Tensors every rank holds whole: embeddings, the LM head, norms and MoE routers (counted whole on
+# each rank, an upper bound where an implementation splits the vocabulary).
+_REPLICATED = re.compile(r"embed_tokens|token_embd|lm_head|^output\.weight$|norm|ffn_gate_inp|\.gate\.weight$")
+# Tensors that are not parameters (the engine computes rotary tables itself).
+_NOT_PARAMETERS = re.compile(r"rotary_emb\.inv_freq|rope_freqs|rope_factors")
+_KV_PROJECTION = re.compile(r"[kv]_proj\.|attn_[kv]\.")
+_FUSED_QKV = re.compile(r"qkv_proj\.|attn_qkv\.")
+
+
+def rank_share(name: str, num_heads: int, num_kv_heads: int, tensor_parallel_size: int) -> float:
+    """The share of tensor ``name`` that one rank holds: attention and MLP weights split over the
+    ranks (K/V projections by KV heads, replicated where they are fewer than the ranks), the rest whole."""
+    tp = tensor_parallel_size
+    if tp == 1 or _REPLICATED.search(name):
+        return 1.0
+    kv_share = kv_heads_per_rank(num_kv_heads, tp) / num_kv_heads
+    if _FUSED_QKV.search(name):  # before K/V alone: "qkv_proj." holds "v_proj."
+        return (num_heads / tp + 2 * num_kv_heads * kv_share) / (num_heads + 2 * num_kv_heads)
+    if _KV_PROJECTION.search(name):
+        return kv_share
+    return 1.0 / tp
+
+
+@dataclass(frozen=True)
+class WeightSizing:
+    """A checkpoint's weights: parameters, bytes in the files, bytes in memory at the compute dtype
+    (the engine dequantizes GGUF and casts every weight to it), and the bytes one rank holds."""
+
+    num_params: int
+    file_bytes: int
+    bytes: int
+    bytes_per_rank: int
+
+    @classmethod
+    def from_tensors(cls, tensors: list[WeightTensor], dtype: Any, num_heads: int, num_kv_heads: int,
+                     tensor_parallel_size: int = 1) -> WeightSizing:
+        element = dtype_bytes(dtype)
+        params = [t for t in tensors if not _NOT_PARAMETERS.search(t.name)]
+        num_params = sum(t.numel for t in params)
+        per_rank = sum(t.numel * rank_share(t.name, num_heads, num_kv_heads, tensor_parallel_size) for t in params)
+        return cls(num_params, sum(t.file_bytes for t in tensors), num_params * element, math.ceil(per_rank) * element)
