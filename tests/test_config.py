@@ -74,7 +74,10 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_available_memory(llama_p
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tensor_parallel_size=2), r"tensor_parallel_size \(--tensor-parallel-size\) must be 1, got 2"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size \(--tensor-parallel-size\) must be a positive integer"),
+    (dict(tensor_parallel_size=3, nnodes=2), "tensor_parallel_size 3 must be a multiple of nnodes 2"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), r"node_rank \(--node-rank\) must be in \[0, nnodes=2\)"),
+    (dict(tensor_parallel_size=2, nnodes=2), "--nnodes > 1 needs --master-port"),
     (dict(pipeline_parallel_size=2), r"pipeline_parallel_size \(--pipeline-parallel-size\) must be 1"),
     (dict(kv_cache_dtype="fp8"), "'fp8' is not supported yet: only 'auto'"),
     (dict(quantization="awq"), "'awq' is not supported yet"),

@@ -360,6 +360,11 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     max_body = parse_memory(args.max_request_body_size)
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.node_rank > 0:  # another host's model shards: node 0 serves HTTP
+        sock.close()
+        from pagellm.distributed.tensor_parallel import run_worker_node
+
+        return run_worker_node(engine_args)
     engine = LLMEngine(engine_args)
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
