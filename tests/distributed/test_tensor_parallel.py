@@ -67,7 +67,7 @@ def run(path: Path, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]]
     return tokens, llm
 
 
-def assert_two_ranks_give_the_tokens_of_one(path: Path) -> None:
+def assert_two_ranks_give_the_tokens_of_one(path: Path, prefix_hits: bool = True) -> None:
     prompts = family_batch(seed=3)
     one, _ = run(path, prompts, **TIGHT)
     two, llm = run(path, prompts, tensor_parallel_size=2, **TIGHT)
@@ -75,7 +75,7 @@ def assert_two_ranks_give_the_tokens_of_one(path: Path) -> None:
         assert two == one
         stats = llm.llm_engine.scheduler.stats
         assert stats.num_partial_prefills > 0 and stats.num_preemptions > 0
-        assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0
+        assert (llm.llm_engine.kv_cache_manager.prefix_cache_hits > 0) == prefix_hits
         assert_all_blocks_free(llm)
     finally:
         llm.llm_engine.shutdown()
@@ -90,7 +90,10 @@ QUICK = ("llama-gqa", "qwen2-kv1-replicated", "qwen3-moe")
                                     for f in sorted(FAMILIES)])
 def test_two_ranks_give_the_tokens_of_one(tmp_path, family):
     model_type, shape = FAMILIES[family]
-    assert_two_ranks_give_the_tokens_of_one(build_checkpoint(tmp_path / family, model_type, seed=5, **shape))
+    # Longrope: the repeated prompts are short, their first run's blocks were computed again with the
+    # long factors once it outgrew the original length, so they serve no short prompt (phi3.py).
+    assert_two_ranks_give_the_tokens_of_one(build_checkpoint(tmp_path / family, model_type, seed=5, **shape),
+                                            prefix_hits="longrope" not in family)
 
 
 def test_recompute_preemption_and_bfloat16_logprobs(tmp_path):
