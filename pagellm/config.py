@@ -71,6 +71,10 @@ def check_slo(name: str, value: Any) -> None:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+# --kv-cache-dtype: vLLM's names; auto keeps the model's dtype, the fp8 ones store one byte per element.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
     return {"help": help, "aliases": aliases, **kw}
 
@@ -152,7 +156,10 @@ class EngineArgs:
         "TCP port on node 0 where the processes meet (default: a free one; required with --nnodes > 1)"))
     pipeline_parallel_size: int = field(default=1, metadata=_flag("pipeline stages; only 1", "-pp"))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
-        "dtype of the KV cache; only auto (the model's --dtype)"))
+        "dtype of the KV cache: auto (the model's --dtype), or fp8 / fp8_e4m3 / fp8_e5m2 (one byte per element: "
+        "twice the blocks of bfloat16 in the same memory; fp8 is fp8_e4m3)", choices=KV_CACHE_DTYPES))
+    calculate_kv_scales: bool = field(default=False, metadata=_flag(
+        "fp8 KV cache: each layer's K and V scales from the first prefill's largest values (default: 1.0)"))
     quantization: str | None = field(default=None, metadata=_flag(
         "weight quantization method; none is supported yet (default: none, the checkpoint's weights)", "-q"))
     enforce_eager: bool = field(default=False, metadata=_flag(
@@ -251,9 +258,12 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be 1, got {v!r}: pagellm "
                              "splits a model by tensor parallelism only (--tensor-parallel-size)")
         self._check_distributed_arguments()
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.kv_cache_dtype!r} is not supported yet: "
-                             "only 'auto' (the KV cache in the model's --dtype)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales (--calculate-kv-scales) scales an fp8 KV cache: give "
+                             "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2) too")
         if self.quantization is not None:
             raise ValueError(f"quantization (--quantization) {self.quantization!r} is not supported yet: leave it "
                              "unset to run the checkpoint's 16/32-bit weights")

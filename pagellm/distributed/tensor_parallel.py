@@ -185,7 +185,7 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     sized = dataclasses.replace(args, num_kv_blocks=num_blocks, max_model_len=max_model_len)
     cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len)
     runner = ModelRunner(model, cache_engine, Sampler([], device, args.seed), device,
-                         sliding_window=sliding_window_of(config))
+                         sliding_window=sliding_window_of(config), calculate_kv_scales=args.calculate_kv_scales)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, src=0, group=group)

@@ -148,7 +148,7 @@ class LLMEngine:
                                                          self.max_model_len)
         self.model_runner = ModelRunner(
             self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
-            structured_output=self.structured_output,
+            structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
                                               self.eos_token_ids, structured_output=self.structured_output)

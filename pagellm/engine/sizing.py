@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagellm.config import KV_CACHE_DTYPES
 from pagellm.core.kv_cache_manager import cdiv
 
-# vLLM's --kv-cache-dtype names: auto keeps the model's dtype; the fp8 ones store one byte per element.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Bytes per element of the model dtypes (vLLM's --dtype names and aliases, and torch's).
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 # safetensors' dtype codes -> bytes per element.

@@ -14,7 +14,7 @@ from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.engine.sizing import KVCacheSizing
 from pagellm.model.llama import sliding_window_of
-from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.cache_engine import CacheEngine, kv_cache_dtype
 from pagellm.worker.cpu_tuning import available_host_memory
 
 logger = logging.getLogger("pagellm.engine.llm_engine")
@@ -96,6 +96,7 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
     # The same arithmetic as `pagellm plan` (engine/sizing.py). ``config`` is this rank's: under tensor
     # parallelism the model's sharded config, whose KV heads already are its share, so no split here.
     sizing = KVCacheSizing.for_model(config, args.block_size, dtype, args.kv_cache_dtype)
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_layers, num_kv_heads, head_dim = sizing.num_layers, sizing.num_kv_heads, sizing.head_dim
     block_bytes = sizing.bytes_per_block
     num_blocks = args.num_kv_blocks if args.num_kv_blocks is not None else kv_budget_bytes(args, device) // block_bytes
@@ -115,12 +116,12 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2fx",
         num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
-        str(dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
+        str(kv_dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
     )
     num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
     try:
         cache_engine = CacheEngine(
-            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, dtype, device, num_cpu_blocks
+            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, kv_dtype, device, num_cpu_blocks
         )
     except (RuntimeError, MemoryError) as e:
         # Only the allocators' refusals (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).

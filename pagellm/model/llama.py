@@ -66,6 +66,30 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None  # LlamaForCausalLM.set_attention_backend
         # This layer's window (Gemma: each layer its own); by default the model-wide one.
         self.window: Window = META_WINDOW
+        # An fp8 KV cache (set_fp8_kv_cache): the largest value its format holds, and the scales K and V
+        # are divided by before they are stored.
+        self.fp8_max: float | None = None
+        self.k_scale = self.v_scale = 1.0
+        self.calculate_kv_scales = False
+
+    def set_fp8_kv_cache(self, fp8_max: float, calculate_scales: bool) -> None:
+        """Store K/V in an fp8 pool: scaled by ``k_scale``/``v_scale`` (1.0, or with ``calculate_scales``
+        from the first forward's largest values, as vLLM's --calculate-kv-scales)."""
+        self.fp8_max, self.calculate_kv_scales = fp8_max, calculate_scales
+
+    def scale_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """K and V as the fp8 pool stores them, and the score scale that undoes the K scale (the V scale
+        is undone on the attention output: both are linear)."""
+        if self.calculate_kv_scales:
+            assert self.fp8_max is not None
+            self.calculate_kv_scales = False  # once: later blocks must share the earlier ones' scales
+            self.k_scale = max(float(k.abs().max()) / self.fp8_max, 1e-12) if k.numel() else 1.0
+            self.v_scale = max(float(v.abs().max()) / self.fp8_max, 1e-12) if v.numel() else 1.0
+        if self.k_scale != 1.0:
+            k = k / self.k_scale
+        if self.v_scale != 1.0:
+            v = v / self.v_scale
+        return k, v, self.scale * self.k_scale
 
     def project_qkv(self, positions: torch.Tensor, x: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,13 +117,18 @@ class Attention(nn.Module):
         backend = self.backend
         assert backend is not None, "the model runner sets the attention backend (set_attention_backend)"
         q, k, v = self.project_qkv(positions, x)
+        scale = self.scale
+        if self.fp8_max is not None:
+            k, v, scale = self.scale_kv(k, v)
         if keep is None:
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window)
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, scale, window=self.window)
         else:
             backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta)
             q, k, v = q[keep.index], k[keep.index], v[keep.index]
-            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], keep.meta, self.scale, store=False,
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], keep.meta, scale, store=False,
                                 window=self.window)
+        if self.v_scale != 1.0:
+            o = o * self.v_scale
         return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
 

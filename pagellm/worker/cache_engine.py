@@ -6,6 +6,23 @@ import torch
 
 from pagellm.worker.cpu_tuning import zeros_on_huge_pages
 
+# --kv-cache-dtype: vLLM's names; "fp8" is e4m3 (more precision, range to 448), as on vLLM's GPUs.
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pools' dtype for ``--kv-cache-dtype``: the model's for ``auto``, else a float8 format."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be auto, {', '.join(FP8_KV_DTYPES)}; got {name!r}")
+    return FP8_KV_DTYPES[name]
+
+
+def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """A one-byte pool seen as uint8 (block copies have no float8 kernels; bytes are bytes)."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 and pool.is_floating_point() else pool
+
 
 def kv_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of one layer's (K, V) pools: per block and KV head, keys transposed (head_dim x block_size)
@@ -59,6 +76,7 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
         for k, v in self.kv_caches:
+            k, v = _as_bytes(k), _as_bytes(v)
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
@@ -78,5 +96,6 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            sk, sv, dk, dv = _as_bytes(sk), _as_bytes(sv), _as_bytes(dk), _as_bytes(dv)
             dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
             dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))

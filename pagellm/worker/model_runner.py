@@ -26,6 +26,7 @@ from pagellm.model.attention import (
     select_attention_backend,
 )
 from pagellm.model.attention.metadata import long_tensor
+from pagellm.model.llama import Attention
 from pagellm.structured_output import GrammarMask, StructuredOutputManager
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.sampler import Sampler, top_logprobs
@@ -68,6 +69,7 @@ class ModelRunner:
         device: torch.device,
         sliding_window: int | None = None,
         structured_output: StructuredOutputManager | None = None,
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.model = model
         self.structured_output = structured_output  # None: no request may be constrained
@@ -84,6 +86,11 @@ class ModelRunner:
             sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
+        if v_cache.element_size() == 1:  # --kv-cache-dtype fp8: each layer scales what it stores
+            fp8_max = torch.finfo(v_cache.dtype).max
+            for module in model.modules():
+                if isinstance(module, Attention):
+                    module.set_fp8_kv_cache(fp8_max, calculate_kv_scales)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

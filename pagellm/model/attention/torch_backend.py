@@ -128,6 +128,8 @@ def decode_attention(
     n, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
     max_blocks = g.ctx // block_size
+    if is_fp8(k_cache):
+        return fp8_decode_attention(q, k_cache, v_cache, g, scale, hidden, softcap)
     if g.key_rows is not None:
         # Scores of one block = sum over d of q[d] * (row d of the block's transposed keys).
         weights = (q * scale).to(k_cache.dtype).unsqueeze(2).expand(n, num_heads, max_blocks, head_dim)
@@ -145,6 +147,36 @@ def decode_attention(
     out = F.embedding_bag(g.value_rows, v_cache.view(-1, head_dim), mode="sum",
                           per_sample_weights=probs.view(-1, g.ctx))
     return out.view(n, num_heads, head_dim)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether a pool holds one-byte floats (``--kv-cache-dtype fp8``): read by converting what is gathered."""
+    return cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in an fp8 format, saturated at its largest finite value (a plain cast of e5m2 overflows to inf)."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def fp8_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float,
+                         hidden: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """``decode_attention`` over fp8 pools: each decode's blocks gathered (one byte per element read)
+    and converted to the query's dtype, then two batched matmuls per (sequence, KV head)."""
+    n, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size = k_cache.shape
+    max_blocks, group = g.ctx // block_size, num_heads // num_kv_heads
+    blocks = g.tables.view(-1)
+    keys = k_cache.index_select(0, blocks).to(q.dtype).view(n, max_blocks, num_kv_heads, head_dim, block_size)
+    keys = keys.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, head_dim, g.ctx)
+    scores = torch.matmul((q * scale).view(n, num_kv_heads, group, head_dim), keys)  # [n, kv_heads, group, ctx]
+    scores = soft_cap(scores.view(n, num_heads, g.ctx).float(), softcap)
+    scores.masked_fill_((g.hidden if hidden is None else hidden).unsqueeze(1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(q.dtype).view(n, num_kv_heads, group, g.ctx)
+    values = v_cache.index_select(0, blocks).to(q.dtype).view(n, max_blocks, num_kv_heads, block_size, head_dim)
+    values = values.transpose(1, 2).reshape(n, num_kv_heads, g.ctx, head_dim)
+    return torch.matmul(probs, values).view(n, num_heads, head_dim)
 
 
 def _gather_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -167,8 +199,11 @@ def _prefill_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     if span.context_len == span.q_len and k_cache.dtype == k.dtype:
         sl = slice(span.q_start, span.q_start + span.q_len)
         return k[sl].transpose(0, 1), v[sl].transpose(0, 1)  # fresh K/V: no gather
-    return (_gather_keys(k_cache, span.block_table, span.context_len),
-            _gather_values(v_cache, span.block_table, span.context_len))
+    keys = _gather_keys(k_cache, span.block_table, span.context_len)
+    values = _gather_values(v_cache, span.block_table, span.context_len)
+    if is_fp8(k_cache):  # (fresh K/V too: read back as stored, as later steps will read them)
+        keys, values = keys.to(k.dtype), values.to(v.dtype)
+    return keys, values
 
 
 def _prefill_mask(q_first: int, q_end: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -228,6 +263,8 @@ def torch_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    meta: AttentionMetadata) -> None:
     """``AttentionBackend.write_kv`` with ``index_put_``."""
     # Both pools seen token-major, (num_blocks, block_size, kv_heads, head_dim): views.
+    if is_fp8(k_cache):
+        k, v = to_fp8(k, k_cache.dtype), to_fp8(v, v_cache.dtype)
     v_cache.transpose(1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), v.to(v_cache.dtype))
     k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k.to(k_cache.dtype))
 
@@ -244,7 +281,8 @@ class TorchAttentionBackend(AttentionBackend):
     def describe(self) -> str:
         prefill = "matmul prefill (soft-capped scores)" if self.config.logit_softcap else \
             "scaled_dot_product_attention prefill"
-        return f"PyTorch (embedding_bag decode in length groups, {prefill})"
+        decode = "fp8 blocks gathered and converted" if self.config.dtype.itemsize == 1 else "embedding_bag"
+        return f"PyTorch ({decode} decode in length groups, {prefill})"
 
     def prepare_decode(self, tables: list[list[int]], context_lens: list[int],
                        cascade: list[tuple[int, int, int]]) -> DecodeGroups:

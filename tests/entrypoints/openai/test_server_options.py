@@ -156,7 +156,7 @@ def test_a_port_in_use_is_reported_before_the_model_loads(llama_path):
 
 @pytest.mark.parametrize("flags,message", [
     (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 must divide the model's 4 attention heads"),
-    (["--kv-cache-dtype", "fp8"], "'fp8' is not supported yet: only 'auto'"),
+    (["--calculate-kv-scales"], "scales an fp8 KV cache: give --kv-cache-dtype fp8"),
     (["--gpu-memory-utilization", "1.5"], "must be a number in (0, 1]"),
     (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be a positive"),
     (["--allowed-origins", "[1]"], "must be a JSON list of strings"),
