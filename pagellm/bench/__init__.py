@@ -1,4 +1,4 @@
-"""`pagellm bench ...`: throughput, serving and memory benchmarks against the peers."""
+"""`pagellm bench ...`: throughput, single-stream latency, serving and memory benchmarks against the peers."""
 
 
 class BenchError(Exception):

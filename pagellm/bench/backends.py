@@ -1,4 +1,5 @@
-"""The same workload on each backend: pagellm, and transformers three ways (the peers)."""
+"""The same workload on each backend: pagellm, transformers three ways and llama.cpp (the peers; llama.cpp's
+runner is in llama_cpp.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pagellm.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("pagellm", "hf", "hf-batched", "hf-cb")
+HF_BACKENDS = ("hf", "hf-batched", "hf-cb")  # transformers: a Hugging Face folder
+BACKENDS = ("pagellm", *HF_BACKENDS, "llama.cpp")  # llama.cpp: a GGUF file
 HF_BATCH_SIZES = (8, 16, 32, 64)
 
 

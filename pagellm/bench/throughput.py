@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pagellm.bench import backends as be
+from pagellm.bench import llama_cpp
 from pagellm.bench.kv_strip import plot_kv_strip
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
@@ -22,7 +25,8 @@ from pagellm.bench.workloads import (
     shared_prefix_workload,
 )
 from pagellm.config import EngineArgs
-from pagellm.model.loader import check_model_folder
+from pagellm.model.gguf_file import is_gguf_file
+from pagellm.model.loader import check_model_folder, resolve_model_files
 
 DEFAULT_OUTPUT = Path("benchmarks/results")
 
@@ -57,8 +61,9 @@ def add_common_args(p: argparse.ArgumentParser, extra_workloads: tuple[str, ...]
 WORKLOAD_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
-def check_common_args(args: argparse.Namespace) -> None:
-    """Refuse, before any work, flags no run could honour; each message names its flag."""
+def check_common_args(args: argparse.Namespace, gguf_ok: bool = False) -> None:
+    """Refuse, before any work, flags no run could honour; each message names its flag. ``gguf_ok``:
+    ``--model`` may be a GGUF file as well as a Hugging Face folder."""
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
@@ -74,7 +79,10 @@ def check_common_args(args: argparse.Namespace) -> None:
     # request), now rather than after the machine is measured.
     EngineArgs(**engine_kwargs(args)).step_token_budget(longest_request(args))
     if args.model:
-        check_model_folder(args.model)
+        if gguf_ok:
+            resolve_model_files(args.model)
+        else:
+            check_model_folder(args.model)
 
 
 def check_output_dir(folder: Path) -> None:
@@ -95,14 +103,14 @@ def longest_request(args: argparse.Namespace) -> int:
     return prefix + args.prompt_len[1] + args.output_len[1]
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, str, Any]:
-    """Checked flags, then (model folder, model name, its transformers config); refuses workloads
-    longer than the model's positions."""
+def prepare(args: argparse.Namespace, gguf_ok: bool = False) -> tuple[Path, str, Any]:
+    """Checked flags, then (model folder or, with ``gguf_ok``, GGUF file; model name; its transformers
+    config); refuses workloads longer than the model's positions."""
     from transformers import AutoConfig
 
-    check_common_args(args)
+    check_common_args(args, gguf_ok)
     model, model_name = resolve_model(args)
-    config = AutoConfig.from_pretrained(str(model))
+    config = AutoConfig.from_pretrained(str(resolve_model_files(model).folder))
     limit = getattr(config, "max_position_embeddings", None)
     longest = longest_request(args)
     if limit is not None and longest > limit:
@@ -129,7 +137,8 @@ def build_workload(args: argparse.Namespace, vocab: int, seed: int | None = None
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model:
-        return Path(args.model), Path(args.model).name
+        path = Path(args.model)
+        return path, path.stem if path.is_file() else path.name
     # A JSON schema needs a vocabulary that can spell JSON: the preset with a byte-level BPE tokenizer.
     bpe = args.workload == "json-schema"
     return bench_model_path(args.model_preset, args.dtype, bpe=bpe), args.model_preset + ("-bpe" if bpe else "")
@@ -144,10 +153,15 @@ def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("throughput", help="offline throughput against transformers (hf, hf-batched, hf-cb)")
+    p = sub.add_parser("throughput", help="offline throughput against transformers (hf, hf-batched, hf-cb) and, "
+                                          "on a GGUF file, llama.cpp")
     add_common_args(p, extra_workloads=("json-schema",))
     p.add_argument("--backend", action="append", choices=be.BACKENDS, default=None,
-                   help="repeatable; default: all of " + ", ".join(be.BACKENDS))
+                   help="repeatable; default: pagellm and " + ", ".join(be.HF_BACKENDS) + " on a folder, pagellm "
+                        "and llama.cpp on a GGUF --model (llama.cpp: one request at a time, through "
+                        f"llama-cpp-python, {llama_cpp.INSTALL})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of pagellm (torch) and llama.cpp alike (default: torch's own count)")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES),
                    help="hf-batched: the static batch sizes tried (the best one is reported)")
     p.add_argument("--kv-strip", action="store_true",
@@ -157,16 +171,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    backends = args.backend or list(be.BACKENDS)
+    gguf = bool(args.model) and is_gguf_file(args.model)
+    backends = args.backend or (["pagellm", llama_cpp.NAME] if gguf else ["pagellm", *be.HF_BACKENDS])
     if len(set(backends)) != len(backends):
         raise ValueError(f"--backend given twice for the same backend: {' '.join(backends)}")
+    if llama_cpp.NAME in backends:
+        llama_cpp.check_gguf(args.model or f"the random-weight --model-preset {args.model_preset}")
+    threads = set_threads(args.threads)
     if any(size < 1 for size in args.hf_batch_sizes):
         raise ValueError(f"--hf-batch-sizes must all be >= 1, got {' '.join(map(str, args.hf_batch_sizes))}")
-    model, model_name, config = prepare(args)
+    model, model_name, config = prepare(args, gguf_ok=True)
     workload = build_workload(args, config.vocab_size)
     print(f"workload {workload.name}: {workload.num_requests} requests x n={workload.n}, "
           f"{workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens; model {model_name} "
-          f"({args.dtype})")
+          f"({args.dtype}, {threads} threads)")
     limits = measure_machine()
     print(f"machine: bf16 matmul {limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, fp32 "
           f"{limits.matmul_tflops_fp32 * 1000:.0f} GFLOP/s, copy bandwidth {limits.copy_bandwidth_gbs:.1f} GB/s")
@@ -190,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
                 extra["ttft_speedup_from_prefix_cache"] = off.detail["ttft_mean_s"] / res.detail["ttft_mean_s"]
                 results["pagellm-no-prefix-cache"] = off
             del llm
+        elif name == llama_cpp.NAME:
+            res = llama_cpp.run_llama_cpp(model, workload, threads)
+        elif gguf:
+            res = be.BackendResult(name, 0.0, workload.num_requests, workload.prompt_tokens, 0,
+                                   skipped="transformers reads a Hugging Face folder, not a GGUF file")
         elif name == "hf":
             res = be.run_hf(model, workload, args.dtype)
         elif name == "hf-batched":
@@ -257,6 +280,15 @@ def run(args: argparse.Namespace) -> int:
         plot_kv_strip(out / f"{stem}-kv-grid.png", strip,
                       f"KV blocks by state, {workload.name} on {model_name} ({args.dtype})")
     return 0
+
+
+def set_threads(threads: int | None) -> int:
+    """The thread count of every backend: ``threads`` (set as torch's), or torch's own."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def constrained_cost(res: be.BackendResult, model: Path, workload: Workload,

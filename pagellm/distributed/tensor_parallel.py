@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -37,9 +38,14 @@ from pagellm.distributed.step_message import HEADER_LEN, STOP, decode_step, enco
 
 logger = logging.getLogger(__name__)
 
-# How long a rank waits in a collective (the step metadata, an all-reduce) before giving up: longer
-# than any step, short enough that a peer lost without a closed socket does not hang the engine.
+# How long a rank waits in an all-reduce before giving up: longer than any rank lags another within a
+# step, short enough that a peer lost without a closed socket does not hang the engine.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# The workers wait for the next step on a group of their own: a server may sit idle for days. (A lost
+# rank 0 still shows at once: its sockets close.)
+IDLE_TIMEOUT = timedelta(days=365)
+# torch dtypes as the driver sends them, so that every rank computes in the dtype rank 0 resolved.
+DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class WorkerDiedError(RuntimeError):
@@ -62,13 +68,29 @@ def threads_per_rank(args: EngineArgs) -> int:
     return args.threads_per_worker or max(1, cores // local_world_size(args))
 
 
-def init_rank(args: EngineArgs, rank: int, device: torch.device) -> Any:
+ARRIVED = "pagellm/arrived"
+
+
+def meeting_point(args: EngineArgs, rank: int) -> Any:
+    """The rendezvous store at ``--master-addr:--master-port`` (rank 0 serves it); every other rank
+    says it has arrived, so that rank 0 can watch its workers while it waits (``TensorParallelDriver``)."""
+    assert args.master_port is not None
+    store = dist.TCPStore(args.master_addr, args.master_port, args.tensor_parallel_size, is_master=rank == 0,
+                          wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+    if rank != 0:
+        store.add(ARRIVED, 1)
+    return store
+
+
+def init_rank(args: EngineArgs, rank: int, device: torch.device, store: Any) -> Any:
     """Join the process group as ``rank``; returns the group the step metadata travels on."""
     torch.set_num_threads(threads_per_rank(args))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=rank,
-                            world_size=args.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else dist.group.WORLD
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=args.tensor_parallel_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def local_device(device: torch.device, rank: int, args: EngineArgs) -> torch.device:
@@ -78,37 +100,70 @@ def local_device(device: torch.device, rank: int, args: EngineArgs) -> torch.dev
     return torch.device("cuda", rank % local_world_size(args))
 
 
-ARGS_ENV = "PAGELLM_TP_ENGINE_ARGS"
-
-
 def spawn_local_workers(args: EngineArgs, first_rank: int, count: int) -> list[subprocess.Popen]:
     """Start ``count`` worker processes as ranks ``first_rank``.. of this node: fresh interpreters
     running this module (no copy of the parent's threads or torch state, and no re-import of the
-    user's script, which multiprocessing's spawn would need guarded by ``if __name__ == "__main__"``)."""
-    env = {**os.environ, ARGS_ENV: json.dumps(dataclasses.asdict(args))}
-    return [subprocess.Popen([sys.executable, "-m", "pagellm.distributed.tensor_parallel", str(rank)], env=env)
-            for rank in range(first_rank, first_rank + count)]
+    user's script, which multiprocessing's spawn would need guarded by ``if __name__ == "__main__"``).
+    The engine arguments go through stdin (prompts to preload may be larger than an environment allows)."""
+    settings = json.dumps(dataclasses.asdict(dataclasses.replace(args, preload_prompts=None)))
+    procs = []
+    for rank in range(first_rank, first_rank + count):
+        p = subprocess.Popen([sys.executable, "-m", "pagellm.distributed.tensor_parallel", str(rank)],
+                             stdin=subprocess.PIPE, text=True)
+        assert p.stdin is not None
+        p.stdin.write(settings)
+        p.stdin.close()
+        procs.append(p)
+    return procs
 
 
 class TensorParallelDriver:
     """Rank 0: starts this node's other ranks, shares the KV cache's size, broadcasts each step."""
 
-    def __init__(self, args: EngineArgs, device: torch.device) -> None:
+    def __init__(self, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first "
+                               "(llm.llm_engine.shutdown())")
         if args.master_port is None:
             args = dataclasses.replace(args, master_port=free_port())
+        if device.type == "cuda" and torch.cuda.device_count() < local_world_size(args):
+            raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} over {args.nnodes} node(s) needs "
+                             f"{local_world_size(args)} GPUs here, found {torch.cuda.device_count()}")
         self.args = args
         self.world = args.tensor_parallel_size
+        self.closed = False
+        self.started = False  # every rank has its KV cache and waits for steps
+        self.threads_before = torch.get_num_threads()
         self.procs = spawn_local_workers(args, 1, local_world_size(args) - 1)
+        atexit.register(self.close)
         logger.info("tensor parallel: %d ranks (%d on this node, %d threads each), meeting at %s:%d", self.world,
                     local_world_size(args), threads_per_rank(args), args.master_addr, args.master_port)
-        self.threads_before = torch.get_num_threads()
-        self.group = init_rank(args, 0, device)
-        self.closed = False
-        atexit.register(self.close)
+        try:
+            self.group = self._meet(device)
+            self._broadcast(torch.tensor([DTYPE_CODES.index(dtype)], dtype=torch.int64))
+        except BaseException:
+            self.close()
+            raise
+
+    def _meet(self, device: torch.device) -> Any:
+        """Wait for every rank at the meeting point, watching this node's workers meanwhile (one that
+        exits before it arrives fails the start at once, not when the rendezvous times out), then join
+        the process group."""
+        store = meeting_point(self.args, 0)
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while store.add(ARRIVED, 0) < self.world - 1:
+            self.check_workers()
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"only {store.add(ARRIVED, 0)} of the {self.world - 1} other ranks arrived at "
+                                      f"{self.args.master_addr}:{self.args.master_port} within "
+                                      f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(0.05)
+        return init_rank(self.args, 0, device, store)
 
     def share_kv_cache_size(self, num_blocks: int, max_model_len: int) -> None:
         """Tell the workers the KV pool every rank allocates (what rank 0's memory settings gave)."""
         self._broadcast(torch.tensor([num_blocks, max_model_len], dtype=torch.int64))
+        self.started = True
 
     def check_workers(self) -> None:
         for rank, p in enumerate(self.procs, start=1):
@@ -124,7 +179,8 @@ class TensorParallelDriver:
             raise WorkerDiedError(f"a tensor-parallel rank stopped answering: {e}") from e
 
     def execute(self, runner: Any, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to the workers, then run rank 0's share of it."""
+        """Send the step to the workers, then run rank 0's share of it. Any failure from here on is
+        fatal: the other ranks may be waiting in an all-reduce rank 0 never reaches."""
         if self.closed:
             raise WorkerDiedError("the tensor-parallel workers were shut down")
         self.check_workers()
@@ -134,11 +190,10 @@ class TensorParallelDriver:
             self._broadcast(payload)
         try:
             return runner.execute(out)  # type: ignore[no-any-return]
-        except RuntimeError as e:  # an all-reduce whose peer is gone
-            if isinstance(e, WorkerDiedError) or not any(w in str(e) for w in ("Connection", "Gloo", "NCCL", "peer")):
-                raise
+        except Exception as e:
             self.check_workers()
-            raise WorkerDiedError(f"a tensor-parallel rank stopped during the step: {e}") from e
+            raise WorkerDiedError(f"a step failed with the model split over {self.world} processes, which are "
+                                  f"now out of step: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         """Stop the workers (they leave their loop) and leave the process group."""
@@ -146,13 +201,13 @@ class TensorParallelDriver:
             return
         self.closed = True
         try:
-            if all(p.poll() is None for p in self.procs):
+            if self.started and all(p.poll() is None for p in self.procs):
                 dist.broadcast(stop_header(), src=0, group=self.group)
         except RuntimeError:
             pass
         for p in self.procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=10 if self.started else 0.1)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
@@ -173,8 +228,10 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     files = loader.resolve_model_files(_model_path(args))
     config = loader.load_config(files.folder)
     device = local_device(loader.resolve_device(args.device), rank, args)
-    group = init_rank(args, rank, device)
-    dtype = loader.resolve_dtype(args.dtype, files.folder, device)
+    group = init_rank(args, rank, device, meeting_point(args, rank))
+    code = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(code, src=0, group=group)
+    dtype = DTYPE_CODES[int(code)]  # rank 0's, whatever this host's CPU would have chosen
     torch.manual_seed(args.seed)
     max_model_len = resolve_max_model_len(config, args.max_model_len)
     model = loader.load_model(files, config, dtype, device, args.load_format, max_model_len,
@@ -218,10 +275,9 @@ def run_worker_node(args: EngineArgs) -> int:
     try:
         worker_main(args, first)
     finally:
-        for p in procs:
-            p.wait()
-    return 0
+        codes = [p.wait() for p in procs]
+    return max([0, *(abs(c) for c in codes)])
 
 
 if __name__ == "__main__":  # a worker process (spawn_local_workers)
-    worker_main(EngineArgs(**json.loads(os.environ[ARGS_ENV])), int(sys.argv[1]))
+    worker_main(EngineArgs(**json.loads(sys.stdin.read())), int(sys.argv[1]))

@@ -173,6 +173,11 @@ class AsyncLLMEngine:
             return "the server is shutting down"
         if not self.is_running:
             return "the engine loop is not running"
+        if self.engine.tensor_parallel is not None:
+            try:
+                self.engine.tensor_parallel.check_workers()
+            except WorkerDiedError as e:
+                return str(e)
         return None
 
     async def read_between_steps(self, read: Callable[[LLMEngine], T]) -> T:

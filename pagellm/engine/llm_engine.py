@@ -18,7 +18,7 @@ from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
 from pagellm.distributed.sharding import check_shardable
-from pagellm.distributed.tensor_parallel import TensorParallelDriver
+from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
 from pagellm.engine import startup
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
@@ -97,7 +97,7 @@ class LLMEngine:
             keep_freed_memory()
         self.dtype = loader.resolve_dtype(args.dtype, folder, self.device)
         self.max_model_len = startup.resolve_max_model_len(config, args.max_model_len)
-        budget = args.step_token_budget(self.max_model_len)  # its rules before any heavy loading
+        args.step_token_budget(self.max_model_len)  # its rules before any heavy loading
         torch.manual_seed(args.seed)
 
         self.tokenizer = startup.load_tokenizer(args.tokenizer or str(files.tokenizer_folder))
@@ -109,9 +109,20 @@ class LLMEngine:
         # Tensor parallelism: the other ranks start loading their shares while this one loads its own.
         self.tensor_parallel: TensorParallelDriver | None = None
         world = args.tensor_parallel_size
+        if args.node_rank > 0:
+            raise ValueError(f"node_rank {args.node_rank}: a node other than 0 runs its model shards through "
+                             "`pagellm serve ... --node-rank N`, not an engine of its own")
         if world > 1:
             check_shardable(config, world)
-            self.tensor_parallel = TensorParallelDriver(args, self.device)
+            self.device = local_device(self.device, 0, args)
+            self.tensor_parallel = TensorParallelDriver(args, self.device, self.dtype)
+        try:
+            self._load_and_allocate(args, files, config, world)
+        except BaseException:
+            self.shutdown()  # the workers must not wait for a rank 0 that will never come
+            raise
+
+    def _load_and_allocate(self, args: EngineArgs, files: loader.ModelFiles, config: Any, world: int) -> None:
         self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len,
                                        tensor_parallel=(0, world) if world > 1 else None)
         self.vocab_size = config.vocab_size

@@ -79,10 +79,13 @@ def kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
         return int(free * (utilization if utilization is not None else 0.9))
     if utilization is not None:
         # vLLM's flag on a CPU: a share of the host memory still available now that the model is loaded.
+        # Shared by this host's tensor-parallel processes, each with a pool of its own.
+        local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
         available = available_host_memory()
-        budget = int(available * utilization)
+        budget = int(available * utilization) // local_ranks
         logger.info("--gpu-memory-utilization %.2f of the %.1f GiB of host memory available: %.1f GiB for the "
-                    "KV cache", utilization, available / 2**30, budget / 2**30)
+                    "KV cache%s", utilization, available / 2**30, budget / 2**30,
+                    f" of each of this host's {local_ranks} processes" if local_ranks > 1 else "")
         return budget
     return DEFAULT_CPU_KV_MEMORY
 

@@ -119,11 +119,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, serve, memory")
-    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,memory}")
-    from pagellm.bench import memory, serve, throughput  # torch: only for `pagellm bench ...`
+    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="{throughput,latency,serve,memory}")
+    from pagellm.bench import latency, memory, serve, throughput  # torch: only for `pagellm bench ...`
 
-    for module in (throughput, serve, memory):
+    for module in (throughput, latency, serve, memory):
         module.add_parser(bench_sub)
     return p
 
@@ -138,7 +138,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]] = {
     "generate": ("generate completions for prompts given on the command line", _add_generate),
     "serve": ("serve the OpenAI-compatible API", _add_serve),
-    "bench": ("benchmarks against the peers: throughput, serve, memory", _add_bench),
+    "bench": ("benchmarks against the peers: throughput, latency, serve, memory", _add_bench),
     "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
 }
 

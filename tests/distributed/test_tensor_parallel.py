@@ -81,9 +81,9 @@ def assert_two_ranks_give_the_tokens_of_one(path: Path, prefix_hits: bool = True
         llm.llm_engine.shutdown()
 
 
-# Each family takes two processes' start-up: `make test` runs three shapes (KV heads split and
-# replicated, experts), `make test-slow` every family.
-QUICK = ("llama-gqa", "qwen2-kv1-replicated", "qwen3-moe")
+# Each family takes two processes' start-up: `make test` runs two shapes (KV heads split and
+# replicated), `make test-slow` every family.
+QUICK = ("llama-gqa", "qwen2-kv1-replicated")
 
 
 @pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow)
@@ -96,6 +96,7 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, family):
                                             prefix_hits="longrope" not in family)
 
 
+@pytest.mark.slow
 def test_recompute_preemption_and_bfloat16_logprobs(tmp_path):
     path = build_checkpoint(tmp_path / "llama", "llama", seed=5, num_key_value_heads=2, initializer_range=0.2)
     prompts = family_batch(seed=4)
@@ -148,3 +149,33 @@ def test_a_killed_worker_stops_the_engine_with_a_clear_error(tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_a_worker_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatch):
+    # A worker that dies before it joins (here: it cannot even read its settings) is noticed while
+    # rank 0 waits for it, not when the rendezvous times out.
+    import pagellm.distributed.tensor_parallel as tp
+
+    def broken(args, first_rank, count):
+        import subprocess
+        import sys
+        return [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]) for _ in range(count)]
+
+    monkeypatch.setattr(tp, "spawn_local_workers", broken)
+    path = build_checkpoint(tmp_path / "llama", "llama", seed=5, num_key_value_heads=2)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="exited with code 3"):
+        LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    assert time.monotonic() - t0 < 30
+    monkeypatch.undo()  # and the process can start another one
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.shutdown()
+
+
+def test_rank_0_failing_after_the_workers_started_stops_them(tmp_path):
+    path = build_checkpoint(tmp_path / "llama", "llama", seed=5, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="raise --kv-cache-memory"):  # a KV cache too small for max_model_len
+        LLM(str(path), max_model_len=64, num_kv_blocks=2, tensor_parallel_size=2)
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)  # nothing left behind
+    llm.llm_engine.shutdown()
