@@ -380,7 +380,8 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self._enqueue(self.waiting, seq)
-        logger.debug("seq %d passed %d tokens: computed again (%d blocks freed)", seq.seq_id, switch, freed)
+        logger.info("seq %d passed %d tokens, where the model's rotary factors change: computed again from its "
+                    "first token (%d blocks freed)", seq.seq_id, switch, freed)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         request = parent.request

@@ -26,10 +26,11 @@ from pagellm.model.llama import DecoderLayer, LlamaForCausalLM, head_dim_of
 
 
 def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """(num_tokens,) for each row of the flat batch, how long its sequence is: a decode row's
-    position + 1; for each row of a prefill chunk, the whole sequence's length (every chunk of a long
-    prompt reads the factors the whole prompt would in one forward)."""
-    lengths = positions + 1  # right for decodes (rows [0, num_decodes), one per sequence)
+    """(num_tokens,) for each row of the flat batch, how long its whole sequence is (every chunk of a
+    long prompt, one-token chunks included, reads the factors the whole prompt would in one forward)."""
+    lengths = positions + 1
+    if meta.decode_seq_lens:  # rows [0, num_decodes): a prompt's one-token chunk is one of them too
+        lengths[: len(meta.decode_seq_lens)] = torch.tensor(meta.decode_seq_lens, device=lengths.device)
     for span in meta.prefills:
         lengths[span.q_start : span.q_start + span.q_len] = span.seq_len or span.context_len
     return lengths

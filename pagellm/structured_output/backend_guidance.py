@@ -86,12 +86,13 @@ class GuidanceGrammar:
     """One sequence's matcher, how many of its output tokens it has consumed, and from which of them
     on its document wraps up (see wrap_up.py)."""
 
-    __slots__ = ("matcher", "num_tokens", "wrap_up_from")
+    __slots__ = ("matcher", "num_tokens", "wrap_up_from", "close_estimate")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.num_tokens = 0
         self.wrap_up_from: int | None = None
+        self.close_estimate: int | None = None  # tokens the wrap-up took from the state last looked at
 
     def advance(self, tokens: list[int]) -> None:
         """Bring the matcher to the end of ``tokens`` (the sequence's output so far): consume the new
@@ -101,6 +102,7 @@ class GuidanceGrammar:
         if self.wrap_up_from is not None and n < self.wrap_up_from:
             self.wrap_up_from = None
         if n < self.num_tokens:
+            self.close_estimate = None
             if not self.matcher.rollback(self.num_tokens - n):
                 self.matcher = None  # (cannot happen: rollback is bounded by the tokens consumed)
         elif n > self.num_tokens and not self.matcher.is_error():

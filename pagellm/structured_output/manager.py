@@ -19,7 +19,15 @@ from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
-from pagellm.structured_output.wrap_up import LOOKAHEAD, SLACK, WrapUpMasks, is_looping, tokens_left
+from pagellm.structured_output.wrap_up import (
+    LOOKAHEAD,
+    RECHECK,
+    SLACK,
+    WRAP_UP_KINDS,
+    WrapUpMasks,
+    is_looping,
+    tokens_left,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,8 @@ class StructuredOutputManager:
         """Compile the request's constraint (or find it compiled); ValueError naming what is invalid."""
         if params.structured_outputs is not None:
             self.template(params.structured_outputs)
+            if params.structured_outputs.kind in WRAP_UP_KINDS:
+                _ = self.wrap_up_masks  # built here, on the caller's thread, rather than inside a step
 
     def template(self, so: StructuredOutputsParams) -> Any:
         key = so.key()
@@ -115,20 +125,23 @@ class StructuredOutputManager:
         self.backend.fill_bitmask(live, bitmask)
         for grammar, k in live:
             if grammar.wrap_up_from is not None:
-                self.wrap_up_masks.narrow(bitmask[k])
+                seq = seqs[rows[k]]
+                self.wrap_up_masks.narrow(bitmask[k], may_end=seq.num_output_tokens >= seq.params.min_tokens)
         return GrammarMask(rows, bitmask)
 
     def should_wrap_up(self, seq: Sequence, grammar: GuidanceGrammar) -> bool:
         """A JSON document whose model repeats itself, or whose tokens left barely close it (see wrap_up.py)."""
         so = seq.params.structured_outputs
-        if so is None or so.kind not in ("json", "json_object"):
+        if so is None or so.kind not in WRAP_UP_KINDS:
             return False
         if is_looping(seq.output_token_ids):
             return True
         left = tokens_left(seq.num_output_tokens, seq.params.max_tokens, seq.num_tokens, self.max_model_len)
-        if left > LOOKAHEAD:
+        estimate = grammar.close_estimate
+        if left > LOOKAHEAD or (estimate is not None and left > estimate + SLACK + RECHECK):
             return False
-        return self.wrap_up_masks.tokens_to_close(grammar.matcher, left) + SLACK >= left
+        grammar.close_estimate = self.wrap_up_masks.tokens_to_close(grammar.matcher, left)
+        return grammar.close_estimate + SLACK >= left
 
     @property
     def wrap_up_masks(self) -> WrapUpMasks:

@@ -21,17 +21,20 @@ from typing import Any
 
 import torch
 
-from pagellm.structured_output.bitmask import allowed
-
 # A tail of at least this many tokens that repeats with a period of at most MAX_LOOP_PERIOD tokens
-# (three times over for the longer periods) is a loop, not content.
-MIN_LOOP_TOKENS = 32
+# (four times over for the longer periods) is a loop, not content (32 zeros in a row would be too).
+MIN_LOOP_TOKENS = 64
 MAX_LOOP_PERIOD = 24
 # Wrapping up starts when the tokens left are within SLACK of what closing the document takes from
 # where it is (found by following the wrap-up's own preferences on a copy of the grammar state); that
-# path is only looked for once at most LOOKAHEAD tokens are left.
+# path is only looked for once at most LOOKAHEAD tokens are left, and again only as the tokens left
+# come within RECHECK of the last length found.
 LOOKAHEAD = 64
 SLACK = 4
+RECHECK = 8
+
+# The constraints that wrap up: JSON documents (a regex or a grammar has no such closers).
+WRAP_UP_KINDS = ("json", "json_object")
 
 CLOSERS = frozenset('"]}')
 SEPARATORS = CLOSERS | frozenset(",:")
@@ -41,7 +44,7 @@ def is_looping(tokens: list[int]) -> bool:
     """Whether the tail of ``tokens`` repeats one short run of tokens over and over."""
     n = len(tokens)
     for period in range(1, MAX_LOOP_PERIOD + 1):
-        span = max(MIN_LOOP_TOKENS, 3 * period)
+        span = max(MIN_LOOP_TOKENS, 4 * period)
         if span > n:
             break
         tail = tokens[n - span:]
@@ -57,7 +60,7 @@ def tokens_left(num_output_tokens: int, max_tokens: int | None, num_tokens: int,
 
 
 def _bitmask_of(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    ids = torch.tensor(token_ids, dtype=torch.long)
+    ids = torch.tensor([t for t in token_ids if 0 <= t < vocab_size], dtype=torch.long)
     bits = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
     bits[ids] = True
     weights = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int64)
@@ -83,28 +86,32 @@ class WrapUpMasks:
                 (quoting if text[0] == '"' else closing).append(token)
             if chars <= SEPARATORS:
                 separating.append(token)
-        self.levels = [_bitmask_of(ids, vocab_size) for ids in (eos_token_ids, quoting, closing, separating) if ids]
+        self.end = _bitmask_of(eos_token_ids, vocab_size)
+        self.levels = [_bitmask_of(ids, vocab_size) for ids in (quoting, closing, separating) if ids]
 
     def tokens_to_close(self, matcher: Any, limit: int) -> int:
         """How many tokens (the final end of sequence included) the wrap-up would take to end the
         document from ``matcher``'s state, following its preferences and, where they leave a choice,
         the first allowed token; ``limit`` if it takes that many or more."""
         m = matcher.deep_copy()
-        words = self.levels[0].numel()
+        words = self.end.numel()
         for n in range(limit):
             if m.is_stopped() or m.is_accepting() or m.is_error():
                 return n + 1
             row = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:words].clone()
-            self.narrow(row)
-            choices = allowed(row.unsqueeze(0), words * 32)[0].nonzero()
-            if choices.numel() == 0:
+            self.narrow(row, may_end=False)
+            set_words = row.nonzero()
+            if set_words.numel() == 0:
                 return limit
-            m.consume_token(int(choices[0]))
+            w = int(set_words[0])
+            bits = int(row[w]) & 0xFFFFFFFF
+            m.consume_token(32 * w + (bits & -bits).bit_length() - 1)  # the lowest allowed token id
         return limit
 
-    def narrow(self, bitmask_row: torch.Tensor) -> None:
-        """Keep, of the tokens ``bitmask_row`` allows, the most preferred class that has any (in place)."""
-        for level in self.levels:
+    def narrow(self, bitmask_row: torch.Tensor, may_end: bool = True) -> None:
+        """Keep, of the tokens ``bitmask_row`` allows, the most preferred class that has any (in place):
+        the end of the sequence first where ``may_end`` (not while ``min_tokens`` holds it back)."""
+        for level in ([self.end] if may_end else []) + self.levels:
             narrowed = bitmask_row & level
             if bool(narrowed.any()):
                 bitmask_row.copy_(narrowed)

@@ -131,6 +131,7 @@ class ModelRunner:
                                  slot_offsets=slot_mapping % self.block_size, sliding_window=self.sliding_window)
         if num_decodes:
             attn.decode = self.prepare_decode(items[:num_decodes])
+            attn.decode_seq_lens = [it.seq.num_tokens for it in items[:num_decodes]]
         attn.prefills = self.prepare_prefill(items[num_decodes:], num_decodes)
         sampling = self.prepare_sample(items)
         logits_rows = self.prepare_logits_rows(attn, len(input_ids), sampling)

@@ -63,10 +63,13 @@ def test_phi3_greedy_matches_transformers(phi3_path):
     expected = transformers_greedy(phi3_path, prompts)
     for block_size in (1, 16):
         assert_greedy_matches(phi3_path, prompts, expected, block_size=block_size, num_kv_blocks=4096 // block_size)
-    # Chunks of 16 tokens: every chunk of a prompt longer than the original length reads the long factors.
-    llm = assert_greedy_matches(phi3_path, prompts, expected, block_size=16, num_kv_blocks=256,
-                                max_num_batched_tokens=16, max_num_seqs=16)
-    assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
+    # Chunks of 16 tokens, and of 17 (decodes take one each, so that prompts are cut into chunks of
+    # every length, one token among them): every chunk of a prompt longer than the original length
+    # reads the long factors.
+    for budget in (16, 17):
+        llm = assert_greedy_matches(phi3_path, prompts, expected, block_size=16, num_kv_blocks=256,
+                                    max_num_batched_tokens=budget, max_num_seqs=16)
+        assert llm.llm_engine.scheduler.stats.num_partial_prefills > 0
 
 
 def test_phi3_bfloat16_logprobs_close(phi3_path):

@@ -27,12 +27,13 @@ UNBOUNDED = {
 
 
 def test_a_tail_that_repeats_a_short_run_is_a_loop():
-    assert is_looping([7] * 40)
-    assert is_looping(list(range(10)) + [1, 2, 3] * 12)
-    assert is_looping(list(range(100, 120)) * 3)  # a 20-token item, three times
+    assert is_looping([7] * 70)
+    assert is_looping(list(range(10)) + [1, 2, 3] * 22)
+    assert is_looping(list(range(100, 120)) * 4)  # a 20-token item, four times
+    assert not is_looping(list(range(100, 120)) * 3)
     assert not is_looping(list(range(200)))
-    assert not is_looping([1, 2, 3] * 5)  # too short to tell
-    assert not is_looping([5] * 20 + list(range(40)))
+    assert not is_looping([0, 1] * 16)  # 16 zeros in an array: too short to tell
+    assert not is_looping([5] * 40 + list(range(40)))
 
 
 def test_tokens_left_by_max_tokens_or_max_model_len():
@@ -71,6 +72,9 @@ def test_the_mask_keeps_the_most_closing_class_it_can():
     assert narrowed([1, 4, 5, 9]) == [4, 9]  # then other closers (a leading space is layout)
     assert narrowed([1, 5, 6, 7]) == [5, 6]  # then separators: a number ends, a key follows
     assert narrowed([1, 7, 8]) == [1, 7, 8]  # nothing closes: the grammar's choice stands
+    row = torch.zeros_like(allocate_bitmask(1, len(words))[0]) | torch.tensor(0b1001, dtype=torch.int32)
+    masks.narrow(row, may_end=False)  # min_tokens not reached: the end is no preference
+    assert allowed(row.unsqueeze(0), len(words))[0].nonzero().flatten().tolist() == [3]
 
 
 @pytest.fixture(scope="module")

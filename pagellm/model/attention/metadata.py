@@ -60,6 +60,9 @@ class AttentionMetadata:
     sliding_window: int | None = None
     # The rows whose final hidden states the step uses; None: every row (see OutputRows).
     output_rows: OutputRows | None = None
+    # The whole sequence's length for each one-token row (a decode, or a prompt's one-token chunk);
+    # None: position + 1. Longrope picks its factors by it.
+    decode_seq_lens: list[int] | None = None
 
     @property
     def num_decodes(self) -> int:
