@@ -151,6 +151,7 @@ def test_a_killed_worker_stops_the_engine_with_a_clear_error(tmp_path):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatch):
     # A worker that dies before it joins (here: it cannot even read its settings) is noticed while
     # rank 0 waits for it, not when the rendezvous times out.
@@ -173,6 +174,7 @@ def test_a_worker_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatc
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_rank_0_failing_after_the_workers_started_stops_them(tmp_path):
     path = build_checkpoint(tmp_path / "llama", "llama", seed=5, num_key_value_heads=2)
     with pytest.raises(ValueError, match="raise --kv-cache-memory"):  # a KV cache too small for max_model_len

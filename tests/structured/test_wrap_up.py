@@ -82,7 +82,7 @@ def llm(llama_path):
     return LLM(str(llama_path), max_model_len=256, num_kv_blocks=256)
 
 
-@pytest.mark.parametrize("max_tokens", [40, 120])
+@pytest.mark.parametrize("max_tokens", [40, pytest.param(120, marks=pytest.mark.slow)])
 def test_unbounded_documents_on_random_weights_end_valid(llm, max_tokens):
     names = list(UNBOUNDED)
     params = [SamplingParams(temperature=t, seed=i, max_tokens=max_tokens,

@@ -38,7 +38,8 @@ def test_an_fp8_pool_holds_twice_the_blocks_of_bfloat16(plain_path):
     assert blocks["float32", "fp8"] == 4 * blocks["float32", "auto"]
 
 
-@pytest.mark.parametrize("kv, calculate", [("fp8", False), ("fp8_e4m3", True), ("fp8_e5m2", False)])
+@pytest.mark.parametrize("kv, calculate", [("fp8", False), pytest.param("fp8_e4m3", True, marks=pytest.mark.slow),
+                                           pytest.param("fp8_e5m2", False, marks=pytest.mark.slow)])
 def test_fp8_logprobs_stay_close(plain_path, kv, calculate):
     prompts = random_prompts([30, 90], vocab=500, seed=2)
     want = prompt_logprobs(LLM(str(plain_path), dtype="float32", max_model_len=256, num_kv_blocks=64), prompts)
@@ -52,7 +53,7 @@ def test_fp8_logprobs_stay_close(plain_path, kv, calculate):
     assert all(scaled) if calculate else not any(scaled)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("mode", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_preemption_and_prefix_caching_keep_the_fp8_tokens(plain_path, mode):
     shared = random_prompts([20], vocab=500, seed=4)[0]
     prompts = [shared + p for p in random_prompts([3, 9, 30], vocab=500, seed=5)] + random_prompts([50], 500, 6)
