@@ -358,8 +358,9 @@ VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
     "enable_lora": ((False,), "LoRA adapters are not supported yet"),
     "speculative_config": ((None,), "speculative decoding is not supported yet"),
-    "distributed_executor_backend": ((None, "mp", "uni"), "pagellm runs one process"),
-    "disable_custom_all_reduce": ((False, True), "pagellm runs one process"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are processes pagellm starts "
+                                     "itself (no Ray)"),
+    "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
     "max_seq_len_to_capture": ((None, 8192), "pagellm captures no CUDA graphs"),
     "task": (("auto", "generate"), "pagellm generates text"),
 }
