@@ -7,13 +7,11 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import SMOLLM2_NAME as MODEL
+from tests.entrypoints.openai.server_utils import needs_smollm2, smollm2_tool_server
 
-SMOLLM2 = embedded_gguf_path()
-MISSING = f"the embedded model wheel is missing: {DEFAULT_MODEL_INSTALL}"
-pytestmark = [pytest.mark.peers, pytest.mark.skipif(SMOLLM2 is None, reason=MISSING)]
-MODEL = "smollm2"
+pytestmark = [pytest.mark.peers, needs_smollm2]
+server = pytest.fixture(scope="module")(smollm2_tool_server)
 
 
 class Movie(BaseModel):
@@ -31,14 +29,6 @@ class SearchFlights(BaseModel):
     origin: str
     destination: str
     date: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer(SMOLLM2, ["--served-model-name", MODEL, "--max-model-len", "2048",  # type: ignore[arg-type]
-                                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    yield srv
-    assert srv.stop() == 0
 
 
 @pytest.fixture

@@ -11,27 +11,18 @@ import jsonschema
 import openai
 import pytest
 
-from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import SMOLLM2_NAME as MODEL
+from tests.entrypoints.openai.server_utils import needs_smollm2, smollm2_tool_server
 from tests.structured.schemas import EVERYDAY_SCHEMAS
 
-SMOLLM2 = embedded_gguf_path()
-pytestmark = pytest.mark.skipif(SMOLLM2 is None, reason=f"the embedded model wheel is missing: {DEFAULT_MODEL_INSTALL}")
-MODEL = "smollm2"
+pytestmark = needs_smollm2
+server = pytest.fixture(scope="module")(smollm2_tool_server)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city"]}}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer(SMOLLM2, ["--served-model-name", MODEL, "--max-model-len", "2048",  # type: ignore[arg-type]
-                                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    yield srv
-    assert srv.stop() == 0
 
 
 @pytest.fixture

@@ -7,11 +7,14 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from pagellm.entrypoints.openai.launch import free_port, wait_healthy
+from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
 
 
 class RemoteServer:
@@ -56,3 +59,20 @@ class RemoteServer:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+# The embedded SmolLM2-135M-Instruct served with tool calls on (the structured-output tests of the
+# real model, with the openai client and with LangChain).
+SMOLLM2_NAME = "smollm2"
+needs_smollm2 = pytest.mark.skipif(embedded_gguf_path() is None,
+                                   reason=f"the embedded model wheel is missing: {DEFAULT_MODEL_INSTALL}")
+
+
+def smollm2_tool_server() -> Iterator[RemoteServer]:
+    """A module fixture's body: the server, stopped cleanly after the module."""
+    path = embedded_gguf_path()
+    assert path is not None
+    srv = RemoteServer(path, ["--served-model-name", SMOLLM2_NAME, "--max-model-len", "2048",
+                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    yield srv
+    assert srv.stop() == 0
