@@ -73,6 +73,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 # --kv-cache-dtype: vLLM's names; auto keeps the model's dtype, the fp8 ones store one byte per element.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --quantization (model/quant_linear.py): gguf keeps a GGUF file's quantized tensors; none dequantizes
+# them; int8 and q4_0 quantize a 16/32-bit checkpoint at load.
+QUANTIZATION_METHODS = ("gguf", "none", "int8", "q4_0")
 
 
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
@@ -161,7 +164,9 @@ class EngineArgs:
     calculate_kv_scales: bool = field(default=False, metadata=_flag(
         "fp8 KV cache: each layer's K and V scales from the first prefill's largest values (default: 1.0)"))
     quantization: str | None = field(default=None, metadata=_flag(
-        "weight quantization method; none is supported yet (default: none, the checkpoint's weights)", "-q"))
+        "weights: gguf keeps a GGUF file's quantized tensors in their blocks (the default for a GGUF file on "
+        "CPU), none dequantizes them into --dtype; int8 (per channel) or q4_0 quantizes a 16/32-bit "
+        "checkpoint at load", "-q", choices=QUANTIZATION_METHODS))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "accepted for vLLM scripts: pagellm always runs eagerly (no CUDA graphs)"))
     trust_remote_code: bool = field(default=False, metadata=_flag(
@@ -264,9 +269,12 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales (--calculate-kv-scales) scales an fp8 KV cache: give "
                              "--kv-cache-dtype fp8 (or fp8_e4m3 / fp8_e5m2) too")
-        if self.quantization is not None:
-            raise ValueError(f"quantization (--quantization) {self.quantization!r} is not supported yet: leave it "
-                             "unset to run the checkpoint's 16/32-bit weights")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
+        if self.quantization in ("int8", "q4_0") and self.tensor_parallel_size > 1:
+            raise ValueError(f"--quantization {self.quantization} with --tensor-parallel-size > 1 is not supported: "
+                             "the ranks shard 16/32-bit weights")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config (--generation-config) must be 'auto', 'vllm' or a folder, "
                              f"got {self.generation_config!r}")

@@ -124,7 +124,8 @@ class LLMEngine:
 
     def _load_and_allocate(self, args: EngineArgs, files: loader.ModelFiles, config: Any, world: int) -> None:
         self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len,
-                                       tensor_parallel=(0, world) if world > 1 else None)
+                                       tensor_parallel=(0, world) if world > 1 else None,
+                                       quantization=args.quantization)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
         # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)

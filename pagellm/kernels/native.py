@@ -67,6 +67,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_pack_linear_weight.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ctypes.c_int]
     lib.pagellm_linear_bf16.restype = ctypes.c_int
     lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.pagellm_quant_row_bytes.restype = i64
+    lib.pagellm_quant_row_bytes.argtypes = [ctypes.c_int, i64]
+    lib.pagellm_quant_linear.restype = ctypes.c_int
+    lib.pagellm_quant_linear.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.pagellm_dequantize.restype = ctypes.c_int
+    lib.pagellm_dequantize.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int]
     lib.pagellm_decode_layers.restype = ctypes.c_int
     lib.pagellm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
 
@@ -466,3 +472,57 @@ def decode_layers(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, resid
     if status == -2:
         raise MemoryError(f"native decode step: no memory for {step.rows} rows")
     assert status == 0, status
+
+
+# ------------------------------------------------------------------ quantized linear layers
+# Weights in GGUF's block formats (csrc/quant_linear.c documents them), named by ggml's type ids.
+
+
+def quant_row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes per row of a ``k``-column weight of this ggml type; 0 where the kernels do not read the
+    type (or ``k`` is not whole blocks, or there are no kernels)."""
+    lib = load()
+    return 0 if lib is None else int(lib.pagellm_quant_row_bytes(ggml_type, k))
+
+
+def _check_quantized(weight: torch.Tensor, ggml_type: int, k: int) -> None:
+    row_bytes = quant_row_bytes(ggml_type, k)
+    if (row_bytes == 0 or weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes
+            or not weight.is_contiguous() or weight.device.type != "cpu"):
+        raise ValueError(f"quantized weight must be a contiguous CPU uint8 tensor of rows of {row_bytes} bytes "
+                         f"(ggml type {ggml_type}, {k} columns), got {weight.dtype} {tuple(weight.shape)}")
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (m, k) float32 @ W.T (+ bias) for the quantized ``weight`` (n rows of blocks): (m, n) float32,
+    written into ``out`` when given (a float32 (m, n) view whose rows are contiguous, such as a column
+    slice of a wider output)."""
+    m, k = x.shape
+    _check_quantized(weight, ggml_type, k)
+    n = weight.shape[0]
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.float().contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be a float32 ({m}, {n}) tensor with contiguous rows")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 tensor of {n}")
+    if m:
+        status = _lib().pagellm_quant_linear(
+            x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), ggml_type, n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            _threads_for(weight.numel() * max(m, 1)))
+        if status != 0:
+            raise MemoryError("quantized linear kernel could not allocate its working memory")
+    return out
+
+
+def dequantize(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    """The quantized ``weight`` (n rows of blocks of ``k`` columns) as an (n, k) float32 tensor."""
+    _check_quantized(weight, ggml_type, k)
+    out = torch.empty(weight.shape[0], k, dtype=torch.float32)
+    _lib().pagellm_dequantize(weight.data_ptr(), ggml_type, weight.shape[0], k, out.data_ptr(),
+                              _threads_for(out.numel()))
+    return out

@@ -8,9 +8,11 @@ generation_config.json with every end-of-generation id) is written once per file
 ``$PAGELLM_CACHE_DIR/gguf/`` and the rest of the engine reads that folder as it reads any
 Hugging Face folder; only the weights come from the GGUF file itself.
 
-Weights are dequantized at load into the model's dtype (``gguf.dequantize``), tensor by tensor,
-through transformers' name map and per-architecture fixes (llama.cpp permutes Llama's q/k rows for
-its rotary layout and stores Gemma's norms as 1 + w; both are undone there).
+Weights go through transformers' name map and per-architecture fixes (llama.cpp permutes Llama's
+q/k rows for its rotary layout and stores Gemma's norms as 1 + w; both are undone there). Linear
+layers' quantized tensors of a type the native kernels read stay as stored, their rows permuted like
+the floats' would be (``keep_quantized``; model/quant_linear.py runs them); every other tensor is
+dequantized into the model's dtype (``gguf.dequantize``), tensor by tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagellm.model.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +146,20 @@ def check_tensor_types(reader: Any, gguf_path: Path) -> None:
                          f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
 
 
-def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _keeps_blocks(hf_name: str | None, tensor: Any) -> bool:
+    """Whether this GGUF tensor can stay in its blocks: a linear layer's 2-D weight (the embedding
+    too, for a tied LM head) in a type the kernels read."""
+    from pagellm.model.quant_linear import kernels_read
+
+    return (hf_name is not None and hf_name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
+            and len(tensor.data.shape) == 2 and kernels_read(int(tensor.tensor_type), int(tensor.shape[0])))
+
+
+def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype, keep_quantized: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face weight name, tensor in ``dtype``) for every tensor of the file, dequantized one
-    at a time."""
+    at a time; with ``keep_quantized``, linear layers' tensors the kernels read come as
+    ``QuantizedWeight`` instead."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from tqdm.auto import tqdm
@@ -169,6 +184,17 @@ def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype) -> Iterato
     parts_left = Counter(targets)
     for tensor, target in tqdm(list(zip(reader.tensors, targets)), desc="Loading GGUF weights", unit="tensor",
                                dynamic_ncols=True, disable=gguf_path.stat().st_size < 256 * 2**20):
+        if keep_quantized and _keeps_blocks(target, tensor):
+            raw = np.asarray(tensor.data)
+            # The processors only reorder rows (Llama's q/k), which moves whole rows of blocks alike.
+            result = processor.process(weights=raw, name=tensor.name, tensor_key_mapping=name_map,
+                                       parsed_parameters=parsed)
+            if result.name in name_map and result.weights.shape == raw.shape:
+                yield name_map[result.name], QuantizedWeight(
+                    torch.from_numpy(np.array(result.weights, copy=True)), int(tensor.tensor_type),
+                    (raw.shape[0], int(tensor.shape[0])))
+                parts_left[target] -= 1
+                continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                    parsed_parameters=parsed)

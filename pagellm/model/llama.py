@@ -25,6 +25,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.packed_linear import PackedLinear
+from pagellm.model.quant_linear import QuantizedWeight
 
 
 def head_dim_of(config: Any) -> int:
@@ -318,11 +319,16 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, checking names and shapes; raises ValueError on a mismatch."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Copy checkpoint tensors in, checking names and shapes; raises ValueError on a mismatch.
+
+        Quantized tensors (a GGUF file's, kept as stored) are not copied: they are collected in
+        ``quantized_parts`` (parameter -> (first row, weight) pieces) for ``install_quantized``; the
+        embedding is dequantized for its lookups, and a tied LM head keeps the quantized copy."""
         expected = self.checkpoint_names()
         params = dict(self.named_parameters())
         seen: set[str] = set()
+        self.quantized_parts: dict[str, list[tuple[int, QuantizedWeight]]] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # older checkpoints store the rotary table; we compute it
@@ -339,7 +345,16 @@ class LlamaForCausalLM(nn.Module):
                     f"weight {name!r} has shape {tuple(tensor.shape)} but the config implies "
                     f"{tuple(target.shape)}: the checkpoint does not match its config.json"
                 )
-            target.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                if ours == "embed_tokens.weight":
+                    target.copy_(tensor.dequantize())
+                    if self.tie_word_embeddings:
+                        self.quantized_parts["lm_head.weight"] = [(0, tensor)]
+                else:
+                    first_row = self.shard_slice(ours, shard).start if shard >= 0 else 0
+                    self.quantized_parts.setdefault(ours, []).append((first_row, tensor))
+            else:
+                target.copy_(tensor)
             seen.add(name)
         missing = sorted(set(expected) - seen)
         if missing:

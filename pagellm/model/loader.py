@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -15,8 +16,10 @@ import torch
 from torch import nn
 
 from pagellm.config import DTYPE_CHOICES
+from pagellm.kernels import native
 from pagellm.model import gguf_file
 from pagellm.model.packed_linear import pack_linear_layers
+from pagellm.model.quant_linear import QUANTIZERS, QuantLinear, install_quantized, quantize_linear_layers
 from pagellm.model.registry import model_class_for
 
 logger = logging.getLogger(__name__)
@@ -180,14 +183,43 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                  "safetensors?)") from e
 
 
+def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch.device,
+                      tensor_parallel: tuple[int, int] | None) -> bool:
+    """Whether a GGUF file's quantized linear weights stay in their blocks (model/quant_linear.py):
+    the default on CPU where the native kernels load; ``--quantization gguf`` insists, ``none`` declines."""
+    if files.gguf is None or quantization not in (None, "gguf"):
+        return False
+    reason = ("the native kernels are not available (see the warning above)" if native.load() is None
+              else "they run on CPU only" if device.type != "cpu"
+              else "tensor parallelism shards dequantized weights" if tensor_parallel and tensor_parallel[1] > 1
+              else None)
+    if reason is not None and quantization == "gguf":
+        raise ValueError(f"--quantization gguf cannot keep the GGUF weights quantized: {reason}; leave "
+                         "--quantization unset to dequantize them into --dtype")
+    if reason is not None:
+        logger.info("GGUF weights are dequantized into the model's dtype: %s", reason)
+    return reason is None
+
+
+def check_quantization(quantization: str | None, device: torch.device) -> None:
+    """ValueError where --quantization int8/q4_0 cannot run here."""
+    if quantization in QUANTIZERS and (device.type != "cpu" or native.load() is None):
+        raise ValueError(f"--quantization {quantization} runs on the native CPU kernels, which "
+                         f"{'do not run on ' + device.type if device.type != 'cpu' else 'are not available here'}"
+                         "; leave --quantization unset")
+
+
 def load_model(
     files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int,
-    tensor_parallel: tuple[int, int] | None = None,
+    tensor_parallel: tuple[int, int] | None = None, quantization: str | None = None,
 ) -> nn.Module:
     """The model with its weights; ``tensor_parallel`` (rank, world): that rank's share of it, cut
-    from the whole weights before they are packed (distributed/sharding.py)."""
+    from the whole weights before they are packed (distributed/sharding.py). ``quantization``: as
+    ``--quantization`` (model/quant_linear.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    check_quantization(quantization, device)
+    keep_blocks = load_format != "dummy" and keeps_gguf_blocks(files, quantization, device, tensor_parallel)
     cls = model_class_for(getattr(config, "architectures", None))
     with torch.device(device):
         model = cls(config, max_position=max_position)
@@ -203,7 +235,7 @@ def load_model(
                 p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
     else:
         with torch.no_grad():
-            weights = (gguf_file.iterate_weights(files.gguf, config, dtype) if files.gguf is not None
+            weights = (gguf_file.iterate_weights(files.gguf, config, dtype, keep_blocks) if files.gguf is not None
                        else iterate_weights(files.folder))
             model.load_weights(weights)
     model.eval()
@@ -211,5 +243,16 @@ def load_model(
         from pagellm.distributed.sharding import shard_model_
 
         shard_model_(model, *tensor_parallel)
+    parts = getattr(model, "quantized_parts", None)
+    if parts:
+        count = install_quantized(model, parts)
+        types = Counter(s.type_name for m in model.modules() if isinstance(m, QuantLinear) for s in m.segments)
+        logger.info("%d linear layers keep the GGUF file's quantized blocks (%s)", count,
+                    ", ".join(f"{n} {t}" for t, n in types.most_common()))
+    if hasattr(model, "quantized_parts"):
+        del model.quantized_parts
+    if quantization in QUANTIZERS:
+        count = quantize_linear_layers(model, quantization)
+        logger.info("quantized %d linear layers to %s at load", count, quantization)
     pack_linear_layers(model, dtype, device)
     return model

@@ -11,6 +11,8 @@
  *   pos_encoding.c       the rotary embedding
  *   sampler.c            the sampler's argmax + logsumexp
  *   gemm.c               the bfloat16 linear layers (AVX512-BF16)
+ *   quant_linear.c       linear layers on GGUF's quantized block formats (Q4_0 ... Q6_K), and their
+ *                        dequantizer
  *   decode_layer.c       a decode step's decoder layers in one call
  *
  * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
@@ -290,5 +292,10 @@ void pagellm_pack_linear_weight(const uint16_t *w, int64_t n, int64_t k, int gat
                                 int num_threads);
 int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, const uint32_t *w, int64_t n,
                         const float *bias, void *y, int mode, int num_threads);
+/* quant_linear.c */
+int64_t pagellm_quant_row_bytes(int type, int64_t k);
+int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *w, int type,
+                         int64_t n, const float *bias, float *y, int64_t y_stride, int num_threads);
+int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *out, int num_threads);
 
 #endif /* PAGELLM_CPU_KERNELS_H */

@@ -1,0 +1,344 @@
+/* Linear layers on weights kept in llama.cpp's block formats (GGUF's quantized tensors, as stored).
+ *
+ * A weight of n rows (output features) by k columns (input features) is n rows of bytes, each row
+ * k / B blocks of the format's B elements, laid out as ggml's block structs (little-endian, no
+ * padding; "half" is an IEEE float16):
+ *
+ *   type (ggml id)  B    bytes  block                                       element i
+ *   Q4_0  (2)       32   18     half d; u8 qs[16]                           d * (nib(i) - 8)
+ *   Q4_1  (3)       32   20     half d, m; u8 qs[16]                        d * nib(i) + m
+ *   Q5_0  (6)       32   22     half d; u8 qh[4]; u8 qs[16]                 d * (nib(i) | hb(i) << 4) - 16 d
+ *   Q5_1  (7)       32   24     half d, m; u8 qh[4]; u8 qs[16]              d * (nib(i) | hb(i) << 4) + m
+ *   Q8_0  (8)       32   34     half d; i8 qs[32]                           d * qs[i]
+ *   Q4_K  (12)      256  144    half d, dmin; u8 scales[12]; u8 qs[128]     per 32: d*sc * q - dmin*mn
+ *   Q5_K  (13)      256  176    half d, dmin; u8 scales[12]; u8 qh[32];     per 32: d*sc * (q | hb << 4)
+ *                                u8 qs[128]                                      - dmin*mn
+ *   Q6_K  (14)      256  210    u8 ql[128]; u8 qh[64]; i8 scales[16]; half d  per 16: d*sc * (q6 - 32)
+ *
+ * In the 32-element formats nib(i) is the low nibble of qs[i] for i < 16 and the high nibble of
+ * qs[i - 16] above; hb(i) is bit i of qh read as a little-endian uint32. In Q4_K and Q5_K each 64
+ * elements read 32 bytes of qs (low nibbles the first 32 elements, high nibbles the next) and two of
+ * the eight 6-bit (sc, mn) pairs packed in scales (get_scale_min below); Q5_K's fifth bits come from
+ * qh, two bit positions per 64 elements. Q6_K's 128-element halves read 64 bytes of ql (low nibbles
+ * elements 0-63, high nibbles 64-127) and 32 of qh (two bits per element, shifted 0, 2, 4, 6 for the
+ * four quarters), with one int8 scale per 16 elements.
+ *
+ * Every format is read the same way: a run of 16 elements is q * s + mn for small integers q (as
+ * floats in a vector), a scale s and an offset mn per run. A row's dot product with an input row x is
+ * then the sum over runs of s * (q . x) + mn * sum(x), with sum(x) over each run of 16 taken once per
+ * call. The integers are widened to floats in registers (GCC vector extensions: AVX-512, AVX2 or SSE
+ * by what -march=native gives) and multiplied with the float32 inputs, so the result is the
+ * dequantized weight times x to float32 rounding, whatever the CPU. Decode's few rows read each
+ * weight block once for up to QROWS input rows; prefill's hundreds of rows go through
+ * pagellm_dequantize and a BLAS matmul instead (pagellm/model/quant_linear.py), where the multiply
+ * outweighs unpacking the weight once.
+ */
+#include "cpu_kernels.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* f32x16 and i32x16 come from cpu_kernels.h. */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+#define QROWS 4 /* input rows that share one pass over the weights */
+
+static inline float half_to_float(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 is exact in float32 */
+        const float f = ldexpf((float)mantissa, -24);
+        return sign ? -f : f;
+    }
+    bits = exponent == 31 ? sign | 0x7f800000u | mantissa << 13 : sign | (exponent + 112) << 23 | mantissa << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline u8x16 bytes16(const uint8_t *p) {
+    u8x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sixteen floats as two 8-wide halves: GCC keeps those in registers on AVX2 (a 64-byte vector there went
+ * through the stack at every step) and splits them again where vectors are narrower. */
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef struct {
+    f32x8 lo, hi;
+} run16;
+
+/* Bytes to floats. x86 has no byte shifts, and GCC lowers byte-to-float conversions of its generic
+ * vectors element by element, so the widening uses the instructions directly where they exist, and
+ * the byte shifts go through 16-bit lanes (bits never cross a byte: see the masks). */
+#if defined(__AVX2__)
+static inline run16 widen_u8(u8x16 q) {
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return (run16){(f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+                   (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline run16 widen_i8(i8x16 q) {
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return (run16){(f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+                   (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+#else
+static inline run16 widen_u8(u8x16 q) {
+    run16 out;
+    for (int i = 0; i < 8; i++) out.lo[i] = (float)q[i], out.hi[i] = (float)q[i + 8];
+    return out;
+}
+static inline run16 widen_i8(i8x16 q) {
+    run16 out;
+    for (int i = 0; i < 8; i++) out.lo[i] = (float)q[i], out.hi[i] = (float)q[i + 8];
+    return out;
+}
+#endif
+
+static inline run16 run_add(run16 a, run16 b) { return (run16){a.lo + b.lo, a.hi + b.hi}; }
+static inline run16 run_scale(run16 a, float s) { return (run16){a.lo * s, a.hi * s}; }
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+/* v >> s per byte; v << 4 per byte for bytes below 16. */
+static inline u8x16 shr_bytes(u8x16 v, int s) { return (u8x16)((u16x8)v >> s) & (uint8_t)(0xffu >> s); }
+static inline u8x16 shl4_small_bytes(u8x16 v) { return (u8x16)((u16x8)v << 4); }
+
+/* Bits 'first'..'first + 15' of a little-endian uint32 (Q5_0/Q5_1's qh), each as 0 or 16. */
+static inline run16 fifth_bits(uint32_t qh, int first) {
+    typedef int32_t i32x8 __attribute__((vector_size(32)));
+    const i32x8 shift = {0, 1, 2, 3, 4, 5, 6, 7};
+    const i32x8 lo = (i32x8){0} + (int32_t)(qh >> first), hi = (i32x8){0} + (int32_t)(qh >> (first + 8));
+    return (run16){__builtin_convertvector(((lo >> shift) & 1) << 4, f32x8),
+                   __builtin_convertvector(((hi >> shift) & 1) << 4, f32x8)};
+}
+
+/* Q4_K/Q5_K's j-th (scale, min) pair of 6 bits each from the 12 packed bytes. */
+static inline void get_scale_min(int j, const uint8_t *q, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static inline int block_elements(int type) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
+    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static inline int block_bytes(int type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24;
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Run u (elements 16u .. 16u + 15) of block b: its integers q as floats, returned, and its scale and
+ * offset. Inlined with a constant type, so that each type's loop reads its block directly (holding
+ * the runs in memory between a decoder and the dot products measured several times slower). */
+static inline __attribute__((always_inline)) run16 run_of(int type, const uint8_t *b, int u, float *s, float *mn) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: {
+        const float d = half_to_float(b);
+        *s = d;
+        *mn = type == GGML_Q4_0 ? -8.0f * d : half_to_float(b + 2);
+        const u8x16 qs = bytes16(b + (type == GGML_Q4_0 ? 2 : 4));
+        return widen_u8(u ? shr_bytes(qs, 4) : qs & 15);
+    }
+    case GGML_Q5_0: case GGML_Q5_1: {
+        const float d = half_to_float(b);
+        *s = d;
+        *mn = type == GGML_Q5_0 ? -16.0f * d : half_to_float(b + 2);
+        const uint8_t *h = b + (type == GGML_Q5_0 ? 2 : 4);
+        const uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+        const u8x16 qs = bytes16(h + 4);
+        return run_add(widen_u8(u ? shr_bytes(qs, 4) : qs & 15), fifth_bits(qh, 16 * u));
+    }
+    case GGML_Q8_0: {
+        *s = half_to_float(b);
+        *mn = 0.0f;
+        i8x16 q;
+        memcpy(&q, b + 2 + 16 * u, sizeof q);
+        return widen_i8(q);
+    }
+    case GGML_Q4_K: case GGML_Q5_K: { /* each 64 elements: 32 low nibbles, then 32 high nibbles */
+        const int j = u / 4, half = (u / 2) % 2, part = u % 2;
+        int sc, m;
+        get_scale_min(2 * j + half, b + 4, &sc, &m);
+        *s = half_to_float(b) * (float)sc;
+        *mn = -(half_to_float(b + 2) * (float)m);
+        const u8x16 bytes = bytes16(b + (type == GGML_Q4_K ? 16 : 48) + 32 * j + 16 * part);
+        run16 q = widen_u8(half ? shr_bytes(bytes, 4) : bytes & 15);
+        if (type == GGML_Q5_K) /* bit 2j + half of qh[l] for the run's elements l */
+            q = run_add(q, widen_u8(shl4_small_bytes(shr_bytes(bytes16(b + 16 + 16 * part), 2 * j + half) & 1)));
+        return q;
+    }
+    default: { /* GGML_Q6_K: each 128 elements are four quarters of 32, each two runs */
+        const int h = u / 8, quarter = (u / 2) % 4, part = u % 2;
+        *s = half_to_float(b + 208) * (float)((const int8_t *)(b + 192))[8 * h + 2 * quarter + part];
+        *mn = 0.0f;
+        const u8x16 low = bytes16(b + 64 * h + 32 * (quarter & 1) + 16 * part);
+        const u8x16 high = bytes16(b + 128 + 32 * h + 16 * part);
+        const u8x16 q6 = (quarter < 2 ? low & 15 : shr_bytes(low, 4)) | shl4_small_bytes(shr_bytes(high, 2 * quarter) & 3);
+        const run16 q = widen_u8(q6);
+        return (run16){q.lo - 32.0f, q.hi - 32.0f};
+    }
+    }
+}
+
+static inline float hsum(f32x8 v) {
+    typedef float f32x4 __attribute__((vector_size(16)));
+    f32x4 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+static inline f32x8 load8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Weight rows j0..j1-1 against 'rows' (<= QROWS, a constant in each copy) input rows x (with their run sums xsum): y[r, j]. */
+static inline __attribute__((always_inline)) void dot_rows(
+        int type, int rows, const float *x, int64_t x_stride, const float *xsum, int64_t runs,
+        const uint8_t *w, int64_t row_bytes, int64_t blocks, int64_t j0, int64_t j1, const float *bias, float *y,
+        int64_t y_stride) {
+    const int elements = block_elements(type), bytes = block_bytes(type);
+    for (int64_t j = j0; j < j1; j++) {
+        f32x8 acc_lo[QROWS] = {{0}}, acc_hi[QROWS] = {{0}}; /* two chains: the adds' latency overlaps */
+        float offset[QROWS] = {0};
+        const uint8_t *row = w + j * row_bytes;
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int u = 0; u < elements / 16; u++) {
+                float scale = 0.0f, mn = 0.0f;
+                const run16 ints = run_of(type, row + b * bytes, u, &scale, &mn);
+                const run16 q = run_scale(ints, scale);
+                const int64_t run = b * elements / 16 + u;
+                for (int r = 0; r < rows; r++) {
+                    const float *xr = x + r * x_stride + 16 * run;
+                    acc_lo[r] += q.lo * load8(xr);
+                    acc_hi[r] += q.hi * load8(xr + 8);
+                    offset[r] += mn * xsum[r * runs + run];
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            y[r * y_stride + j] = hsum(acc_lo[r] + acc_hi[r]) + offset[r] + (bias != NULL ? bias[j] : 0.0f);
+    }
+}
+
+/* Bytes of one row of a weight of this type and k columns; 0 for a type this file does not read or a
+ * k that is not whole blocks. */
+int64_t pagellm_quant_row_bytes(int type, int64_t k) {
+    const int elements = block_elements(type);
+    if (elements == 0 || k <= 0 || k % elements) return 0;
+    return k / elements * block_bytes(type);
+}
+
+/* y[r, j] = sum_i x[r, i] * W[j, i] (+ bias[j]) for rows r < m of x (float32, x_stride between rows)
+ * and the n rows of the quantized w (row_bytes apart), into y (float32, y_stride between rows; a
+ * column slice of a wider output when y_stride > n). Returns -1 for an unknown type or a k that is
+ * not whole blocks, -2 without memory, else 0. */
+int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *w, int type,
+                         int64_t n, const float *bias, float *y, int64_t y_stride, int num_threads) {
+    const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
+    if (row_bytes == 0) return -1;
+    const int64_t blocks = k / block_elements(type), runs = k / 16;
+    /* sum(x) over each run of 16 of every row: the offsets mn multiply it. */
+    float *xsum = malloc((size_t)(m * runs + 1) * sizeof(float));
+    if (xsum == NULL) return -2;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t u = 0; u < runs; u++) xsum[r * runs + u] = hsum(load8(x + r * x_stride + 16 * u) + load8(x + r * x_stride + 16 * u + 8));
+    /* Work items are (tile of QROWS input rows, chunk of weight rows); a chunk small enough that a
+     * decode's few hundred weight rows spread over the threads. */
+    const int64_t chunk = 8, chunks = (n + chunk - 1) / chunk, tiles = (m + QROWS - 1) / QROWS;
+#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t r0 = t * QROWS, rows = m - r0 < QROWS ? m - r0 : QROWS;
+            const int64_t j0 = c * chunk, j1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+            const float *xt = x + r0 * x_stride, *st = xsum + r0 * runs;
+            float *yt = y + r0 * y_stride;
+            /* One copy of the loop per type and tile height, the block decoder inlined and the
+             * accumulators in registers. */
+#define QUANT_ROWS(TYPE) \
+    case TYPE: \
+        if (rows == 4) dot_rows(TYPE, 4, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
+        else if (rows == 3) dot_rows(TYPE, 3, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
+        else if (rows == 2) dot_rows(TYPE, 2, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
+        else dot_rows(TYPE, 1, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
+        break;
+            switch (type) {
+                QUANT_ROWS(GGML_Q4_0) QUANT_ROWS(GGML_Q4_1) QUANT_ROWS(GGML_Q5_0) QUANT_ROWS(GGML_Q5_1)
+                QUANT_ROWS(GGML_Q8_0) QUANT_ROWS(GGML_Q4_K) QUANT_ROWS(GGML_Q5_K) QUANT_ROWS(GGML_Q6_K)
+            }
+#undef QUANT_ROWS
+        }
+    }
+    free(xsum);
+    return 0;
+}
+
+/* Rows j0..j1-1 of the weight as float32 rows of k (one copy per type, as dot_rows). */
+static inline __attribute__((always_inline)) void dequantize_rows(int type, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t k, int64_t j0, int64_t j1, float *out) {
+    const int elements = block_elements(type), bytes = block_bytes(type);
+    for (int64_t j = j0; j < j1; j++) {
+        for (int64_t b = 0; b < k / elements; b++) {
+            for (int u = 0; u < elements / 16; u++) {
+                float scale = 0.0f, mn = 0.0f;
+                const run16 q = run_of(type, w + j * row_bytes + b * bytes, u, &scale, &mn);
+                const f32x8 lo = q.lo * scale + mn, hi = q.hi * scale + mn;
+                memcpy(out + j * k + b * elements + 16 * u, &lo, sizeof lo);
+                memcpy(out + j * k + b * elements + 16 * u + 8, &hi, sizeof hi);
+            }
+        }
+    }
+}
+
+/* out[j, i] = W[j, i] as float32 (n rows of k, contiguous). Returns -1 for an unknown type or a k
+ * that is not whole blocks, else 0. */
+int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *out, int num_threads) {
+    const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
+    if (row_bytes == 0) return -1;
+    const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t j0 = c * chunk, j1 = j0 + chunk < n ? j0 + chunk : n;
+        switch (type) {
+#define DEQUANTIZE(TYPE) \
+    case TYPE: dequantize_rows(TYPE, w, row_bytes, k, j0, j1, out); break;
+            DEQUANTIZE(GGML_Q4_0) DEQUANTIZE(GGML_Q4_1) DEQUANTIZE(GGML_Q5_0) DEQUANTIZE(GGML_Q5_1)
+            DEQUANTIZE(GGML_Q8_0) DEQUANTIZE(GGML_Q4_K) DEQUANTIZE(GGML_Q5_K) DEQUANTIZE(GGML_Q6_K)
+#undef DEQUANTIZE
+        }
+    }
+    return 0;
+}

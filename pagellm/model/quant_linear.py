@@ -1,0 +1,172 @@
+"""Linear layers whose weights stay in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_linear.c`` documents the formats).
+
+Where they come from:
+
+- a GGUF file's quantized tensors, as stored (``--quantization gguf``, the default for a GGUF file
+  where the kernels run; ``--quantization none`` dequantizes them into ``--dtype`` at load instead);
+- a 16/32-bit checkpoint quantized at load: ``--quantization int8`` (per output channel, symmetric:
+  one scale per row, kept as Q8_0 blocks that all carry their row's scale) or ``--quantization q4_0``
+  (llama.cpp's Q4_0, a scale per 32 weights, by ``gguf``'s quantizer).
+
+A fused projection (q/k/v, gate/up) is a stack of row segments, each in its own type, as the file
+stores its parts (a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K). Decode-sized batches read the
+blocks directly; larger ones (prefill) dequantize the weight once per call and use PyTorch's matmul,
+where the multiply outweighs the unpacking.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.kernels import native
+
+logger = logging.getLogger(__name__)
+
+# ggml's type ids of the formats the kernels read.
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+# Input rows up to which the kernel reads the blocks directly; above, one dequantization per call
+# and a BLAS matmul are faster.
+DIRECT_MAX_ROWS = 16
+
+
+@dataclass
+class QuantizedWeight:
+    """A (rows, cols) weight as rows of ggml blocks: ``data`` is (rows, bytes per row) uint8."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 (rows, cols)."""
+        return native.dequantize(self.data, self.ggml_type, self.shape[1])
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.ggml_type]
+
+
+def kernels_read(ggml_type: int, cols: int) -> bool:
+    """Whether the native kernels read weights of this type and width (and are loaded)."""
+    return native.quant_row_bytes(ggml_type, cols) > 0
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b for W stacked from quantized row segments (fused projections: one per part)."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, segments: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        cols = {s.shape[1] for s in segments}
+        if len(cols) != 1:
+            raise ValueError(f"segments of one linear layer must share their width, got {sorted(cols)}")
+        self.in_features = cols.pop()
+        self.out_features = sum(s.shape[0] for s in segments)
+        self.segments = segments
+        self.bounds = np.cumsum([0] + [s.shape[0] for s in segments]).tolist()
+        # Added to the float32 sums by the kernel.
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(s.data.numel() for s in self.segments)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight as float32 (out_features, in_features)."""
+        parts = [s.dequantize() for s in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T + b in ``x``'s dtype, or ``out_dtype`` (float32 for logits)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= DIRECT_MAX_ROWS:
+            out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            for segment, begin, end in zip(self.segments, self.bounds, self.bounds[1:]):
+                bias = None if self.bias is None else self.bias[begin:end]
+                native.quant_linear(rows, segment.data, segment.ggml_type, bias, out[:, begin:end])
+        else:
+            weight = self.dequantized()
+            if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized
+                out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
+            else:
+                out = F.linear(rows, weight, self.bias)
+        return out.to(out_dtype or x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        types = "+".join(s.type_name for s in self.segments)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 with one scale per output row, stored as Q8_0 blocks that all hold their row's
+    scale (rounded to float16 first, so that the stored scale is the one the integers were made with)."""
+    rows, cols = weight.shape
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.float16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    blocks = cols // 32
+    data = torch.empty(rows, blocks, 34, dtype=torch.uint8)
+    data[:, :, :2] = scale.view(torch.uint8).view(rows, 1, 2)
+    data[:, :, 2:] = q.view(rows, blocks, 32).view(torch.uint8)
+    return QuantizedWeight(data.view(rows, blocks * 34), GGML_TYPES["Q8_0"], (rows, cols))
+
+
+def quantize_q4_0(weight: torch.Tensor) -> QuantizedWeight:
+    """llama.cpp's Q4_0 of the weight (``gguf``'s reference quantizer)."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q4_0)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), GGML_TYPES["Q4_0"], tuple(weight.shape))
+
+
+QUANTIZERS = {"int8": quantize_int8_per_channel, "q4_0": quantize_q4_0}
+
+
+def quantizable(method: str, linear: nn.Module) -> bool:
+    """Whether ``method`` applies to this layer: an nn.Linear whose width is whole blocks of 32."""
+    return isinstance(linear, nn.Linear) and linear.in_features % 32 == 0 and method in QUANTIZERS
+
+
+def quantize_linear_layers(model: nn.Module, method: str) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (weights loaded) whose width is whole blocks by a
+    ``QuantLinear`` quantized with ``method`` (int8 or q4_0); returns how many."""
+    quantize = QUANTIZERS[method]
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if quantizable(method, child):
+                assert isinstance(child, nn.Linear)
+                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias))
+                count += 1
+    return count
+
+
+def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, QuantizedWeight]]]) -> int:
+    """Replace the ``nn.Linear`` layers whose weights a GGUF file held quantized (``parts``: parameter
+    name -> (first row, weight) pieces covering its rows) by ``QuantLinear`` layers; returns how many."""
+    count = 0
+    for name, pieces in parts.items():
+        module_name, _, leaf = name.rpartition(".")
+        if leaf != "weight":
+            raise ValueError(f"quantized tensor {name!r} is not a linear layer's weight")
+        owner_name, _, child_name = module_name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        linear = getattr(owner, child_name)
+        pieces = sorted(pieces, key=lambda piece: piece[0])
+        if not isinstance(linear, nn.Linear) or sum(p.shape[0] for _, p in pieces) != linear.out_features:
+            raise ValueError(f"quantized pieces of {name!r} do not make up its {type(linear).__name__}")
+        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias))
+        count += 1
+    return count
