@@ -23,6 +23,7 @@ from torch import nn
 
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM, dense_mlp
+from pagellm.model.quant_linear import QuantizedWeight
 
 
 class SparseMoeBlock(nn.Module):
@@ -104,18 +105,21 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_moe(self, config: Any) -> SparseMoeBlock:
         raise NotImplementedError
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """As ``LlamaForCausalLM.load_weights``, with per-expert or fused expert weights; names in
         errors are the per-expert ones in this module's spelling (``mlp.experts.E.gate_proj``)."""
         super().load_weights(self.per_expert_weights(weights))
 
-    def per_expert_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint tensors with renamed pieces, fused experts split into per-expert ones."""
+    def per_expert_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+                           ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Checkpoint tensors with renamed pieces, fused experts split into per-expert ones (fused
+        experts come dequantized: only 2-D GGUF tensors stay in their blocks)."""
         for name, tensor in weights:
             for old, new in self.renames.items():
                 name = name.replace(old, new)
-            if name.endswith(".experts.gate_up_proj"):  # (num_experts, 2 * intermediate, hidden)
+            if isinstance(tensor, QuantizedWeight):
+                yield name, tensor
+            elif name.endswith(".experts.gate_up_proj"):  # (num_experts, 2 * intermediate, hidden)
                 prefix = name[: -len("gate_up_proj")]
                 for e, fused in enumerate(tensor):
                     gate, up = fused.chunk(2, dim=0)  # gate rows first, as transformers fuses them

@@ -128,7 +128,8 @@ def quantize_q4_0(weight: torch.Tensor) -> QuantizedWeight:
     from gguf import GGMLQuantizationType, quants
 
     raw = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q4_0)
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), GGML_TYPES["Q4_0"], tuple(weight.shape))
+    rows, cols = weight.shape
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), GGML_TYPES["Q4_0"], (rows, cols))
 
 
 QUANTIZERS = {"int8": quantize_int8_per_channel, "q4_0": quantize_q4_0}
