@@ -208,8 +208,10 @@ def rank_share(name: str, num_heads: int, num_kv_heads: int, tensor_parallel_siz
 
 @dataclass(frozen=True)
 class WeightSizing:
-    """A checkpoint's weights: parameters, bytes in the files, bytes in memory at the compute dtype
-    (the engine dequantizes GGUF and casts every weight to it), and the bytes one rank holds."""
+    """A checkpoint's weights: parameters, bytes in the files, bytes in memory at the compute dtype,
+    and the bytes one rank holds. For a GGUF file the memory figures are an upper bound: every tensor
+    is counted dequantized, as under tensor parallelism, on CUDA or with ``--quantization none``, though
+    on CPU the linear layers keep their smaller quantized blocks after loading."""
 
     num_params: int
     file_bytes: int
