@@ -509,14 +509,28 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: to
         raise ValueError(f"out must be a float32 ({m}, {n}) tensor with contiguous rows")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor of {n}")
+    quant_linear_checked(x, weight, ggml_type, bias, out)
+    return out
+
+
+def quant_linear_checked(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                         out: torch.Tensor) -> None:
+    """``quant_linear`` on arguments already checked (float32 x with contiguous rows, a weight
+    ``_check_quantized`` accepted, out as there): a model's every decode step calls it, and the
+    checks cost as much as the kernel on a small layer."""
+    m, k = x.shape
     if m:
         status = _lib().pagellm_quant_linear(
-            x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), ggml_type, n,
+            x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), ggml_type, weight.shape[0],
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-            _threads_for(weight.numel() * max(m, 1)))
+            _threads_for(weight.numel() * m))
         if status != 0:
             raise MemoryError("quantized linear kernel could not allocate its working memory")
-    return out
+
+
+def check_quantized(weight: torch.Tensor, ggml_type: int, k: int) -> None:
+    """ValueError unless ``weight`` is rows of blocks of this type and ``k`` columns the kernels read."""
+    _check_quantized(weight, ggml_type, k)
 
 
 def dequantize(weight: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:

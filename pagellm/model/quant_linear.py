@@ -71,10 +71,15 @@ class QuantLinear(nn.Module):
             raise ValueError(f"segments of one linear layer must share their width, got {sorted(cols)}")
         self.in_features = cols.pop()
         self.out_features = sum(s.shape[0] for s in segments)
+        for s in segments:
+            native.check_quantized(s.data, s.ggml_type, self.in_features)
         self.segments = segments
         self.bounds = np.cumsum([0] + [s.shape[0] for s in segments]).tolist()
         # Added to the float32 sums by the kernel.
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        # Each segment with its slice of the bias, for the kernel calls of every decode step.
+        self._calls = [(s.data, s.ggml_type, None if self.bias is None else self.bias[begin:end], begin, end)
+                       for s, begin, end in zip(segments, self.bounds, self.bounds[1:])]
 
     @property
     def weight_bytes(self) -> int:
@@ -92,17 +97,23 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= DIRECT_MAX_ROWS:
+            if rows.dtype != torch.float32 or rows.stride(1) != 1:
+                rows = rows.float().contiguous()
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            for segment, begin, end in zip(self.segments, self.bounds, self.bounds[1:]):
-                bias = None if self.bias is None else self.bias[begin:end]
-                native.quant_linear(rows, segment.data, segment.ggml_type, bias, out[:, begin:end])
+            if len(self._calls) == 1:
+                data, ggml_type, bias, _, _ = self._calls[0]
+                native.quant_linear_checked(rows, data, ggml_type, bias, out)
+            else:
+                for data, ggml_type, bias, begin, end in self._calls:
+                    native.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end])
         else:
             weight = self.dequantized()
             if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized
                 out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
             else:
                 out = F.linear(rows, weight, self.bias)
-        return out.to(out_dtype or x.dtype).view(*lead, self.out_features)
+        dtype = out_dtype or x.dtype
+        return (out if out.dtype == dtype else out.to(dtype)).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         types = "+".join(s.type_name for s in self.segments)
