@@ -73,7 +73,7 @@ class QuantLinear(nn.Module):
         self.out_features = sum(s.shape[0] for s in segments)
         for s in segments:
             native.check_quantized(s.data, s.ggml_type, self.in_features)
-        self.segments = segments
+        self.segments = merge_segments(segments)
         self.bounds = np.cumsum([0] + [s.shape[0] for s in segments]).tolist()
         # Added to the float32 sums by the kernel.
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
@@ -118,6 +118,20 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         types = "+".join(s.type_name for s in self.segments)
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+def merge_segments(segments: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Neighbouring segments of one type as one (rows of blocks stack): one kernel call for q, k and
+    v where a file stores them alike."""
+    merged = [segments[0]]
+    for s in segments[1:]:
+        last = merged[-1]
+        if s.ggml_type == last.ggml_type:
+            merged[-1] = QuantizedWeight(torch.cat([last.data, s.data]), s.ggml_type,
+                                         (last.shape[0] + s.shape[0], s.shape[1]))
+        else:
+            merged.append(s)
+    return merged
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> QuantizedWeight:
