@@ -74,12 +74,12 @@ class QuantLinear(nn.Module):
         for s in segments:
             native.check_quantized(s.data, s.ggml_type, self.in_features)
         self.segments = merge_segments(segments)
-        self.bounds = np.cumsum([0] + [s.shape[0] for s in segments]).tolist()
+        self.bounds = np.cumsum([0] + [s.shape[0] for s in self.segments]).tolist()
         # Added to the float32 sums by the kernel.
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         # Each segment with its slice of the bias, for the kernel calls of every decode step.
         self._calls = [(s.data, s.ggml_type, None if self.bias is None else self.bias[begin:end], begin, end)
-                       for s, begin, end in zip(segments, self.bounds, self.bounds[1:])]
+                       for s, begin, end in zip(self.segments, self.bounds, self.bounds[1:])]
 
     @property
     def weight_bytes(self) -> int:
