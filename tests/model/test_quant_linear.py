@@ -100,6 +100,7 @@ def test_the_shipped_gguf_keeps_its_blocks_and_decodes_as_its_dequantized_weight
     model = blocks.llm_engine.model
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the tied LM head
+    assert all(len(m.segments) == 1 for m in layers)  # q, k, v (gate, up) of one type: one kernel call
     weights = sum(m.weight_bytes for m in layers)
     assert weights < sum(m.in_features * m.out_features for m in layers) * 4 / 5  # under 6.4 bits per weight
     plain = LLM(str(SMOLLM2), dtype="float32", kv_cache_memory="256MiB", max_model_len=512, quantization="none")
