@@ -70,9 +70,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_quant_row_bytes.restype = i64
     lib.pagellm_quant_row_bytes.argtypes = [ctypes.c_int, i64]
     lib.pagellm_quant_linear.restype = ctypes.c_int
-    lib.pagellm_quant_linear.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.pagellm_quant_linear.argtypes = [ptr, i64, ctypes.c_int, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr, i64,
+                                         ctypes.c_int, ctypes.c_int]
     lib.pagellm_dequantize.restype = ctypes.c_int
     lib.pagellm_dequantize.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int]
+    lib.pagellm_decode_layers_quantized.restype = ctypes.c_int
+    lib.pagellm_decode_layers_quantized.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.pagellm_decode_layers.restype = ctypes.c_int
     lib.pagellm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ctypes.c_int]
 
@@ -474,6 +477,36 @@ def decode_layers(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, resid
     assert status == 0, status
 
 
+class QuantMatrix(ctypes.Structure):
+    """A quantized linear weight for ``decode_layers_quantized`` (``pagellm_quant_matrix``): up to three
+    row segments, each its blocks, rows and ggml type."""
+
+    _fields_ = [("data", ctypes.c_void_p * 3), ("rows", ctypes.c_int64 * 3), ("type", ctypes.c_int32 * 3),
+                ("count", ctypes.c_int32)]
+
+
+class DecodeQuantLayer(ctypes.Structure):
+    """One decoder layer for ``decode_layers_quantized`` (``pagellm_decode_quant_layer``): RMSNorm
+    weights in the step's dtype, the four quantized linears, their float32 biases or None, the pools."""
+
+    _fields_ = ([("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)]
+                + [(name, QuantMatrix) for name in ("qkv", "o", "gate_up", "down")]
+                + [(name, ctypes.c_void_p) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "k_pool",
+                                                         "v_pool")])
+
+
+def decode_layers_quantized(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor,
+                            gate_up: torch.Tensor) -> None:
+    """``decode_layers`` for quantized linears, in ``x``'s dtype (float32 or bfloat16); ``gate_up`` is
+    the work buffer of the MLP's (rows, 2 * inter) projection."""
+    status = _lib().pagellm_decode_layers_quantized(layers, len(layers), ctypes.byref(step), x.data_ptr(),
+                                                    residual.data_ptr(), gate_up.data_ptr(), DTYPE_CODES[x.dtype],
+                                                    torch.get_num_threads())
+    if status == -2:
+        raise MemoryError(f"native decode step: no memory for {step.rows} rows")
+    assert status == 0, status
+
+
 # ------------------------------------------------------------------ quantized linear layers
 # Weights in GGUF's block formats (csrc/quant_linear.c documents them), named by ggml's type ids.
 
@@ -520,9 +553,10 @@ def quant_linear_checked(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, 
     checks cost as much as the kernel on a small layer."""
     m, k = x.shape
     if m:
+        f32 = DTYPE_CODES[torch.float32]
         status = _lib().pagellm_quant_linear(
-            x.data_ptr(), x.stride(0), m, k, weight.data_ptr(), ggml_type, weight.shape[0],
-            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            x.data_ptr(), x.stride(0), f32, m, k, weight.data_ptr(), ggml_type, weight.shape[0],
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), f32,
             _threads_for(weight.numel() * m))
         if status != 0:
             raise MemoryError("quantized linear kernel could not allocate its working memory")

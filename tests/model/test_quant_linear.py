@@ -112,3 +112,24 @@ def test_the_shipped_gguf_keeps_its_blocks_and_decodes_as_its_dequantized_weight
         diffs = [abs(a[t].logprob - b[t].logprob) for a, b, t in
                  zip(g.outputs[0].logprobs, w.outputs[0].logprobs, g.outputs[0].token_ids)]
         assert max(diffs) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_in_one_native_call_give_the_layers_own_results(tmp_path, dtype):
+    from pagellm.model.native_decode import QuantizedDecoder
+
+    folder = build_checkpoint(tmp_path / "llama", "llama", seed=4, hidden_size=64, intermediate_size=128)
+    prompts = [{"prompt_token_ids": [3 + i, 40, 77 + i, 9]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    results = []
+    for driver in (True, False):
+        llm = LLM(str(folder), dtype=dtype, max_model_len=64, num_kv_blocks=32, quantization="q4_0")
+        model = llm.llm_engine.model
+        model.native_step_driver = driver
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        assert isinstance(model._driver, QuantizedDecoder) == driver
+    for with_driver, layer_by_layer in zip(*results):
+        a, b = with_driver.outputs[0], layer_by_layer.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert [{t: p.logprob for t, p in step.items()} for step in a.logprobs] == \
+            [{t: p.logprob for t, p in step.items()} for step in b.logprobs]

@@ -294,8 +294,9 @@ int pagellm_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t 
                         const float *bias, void *y, int mode, int num_threads);
 /* quant_linear.c */
 int64_t pagellm_quant_row_bytes(int type, int64_t k);
-int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *w, int type,
-                         int64_t n, const float *bias, float *y, int64_t y_stride, int num_threads);
+int pagellm_quant_linear(const void *x, int64_t x_stride, int x_dtype, int64_t m, int64_t k, const uint8_t *w,
+                         int type, int64_t n, const float *bias, void *y, int64_t y_stride, int y_dtype,
+                         int num_threads);
 int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *out, int num_threads);
 
 #endif /* PAGELLM_CPU_KERNELS_H */

@@ -75,3 +75,79 @@ int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers
                          num_threads);
     return 0;
 }
+
+/* ---- The same step for models whose linears keep quantized blocks (quant_linear.c), in float32 or
+ * bfloat16 (dtype: the activations, norms and KV pools). Each linear is up to three row segments,
+ * each in its own type (a GGUF file may store q and k in one type and v in another). */
+
+typedef struct {
+    const uint8_t *data[3];
+    int64_t rows[3];
+    int32_t type[3];
+    int32_t count;
+} pagellm_quant_matrix;
+
+typedef struct {
+    const void *input_norm, *post_norm;                       /* RMSNorm weights [hidden], in dtype */
+    pagellm_quant_matrix qkv, o, gate_up, down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 [out] or NULL */
+    void *k_pool, *v_pool;
+} pagellm_decode_quant_layer;
+
+/* y[:, :rows of all segments] = x @ W.T (+ bias), segment by segment into its columns. */
+static int quant_matmul(const pagellm_quant_matrix *w, const void *x, int64_t rows, int64_t k, const float *bias,
+                        void *y, int64_t y_stride, int dtype, int num_threads) {
+    const int64_t elem = dtype == PAGELLM_F32 ? 4 : 2;
+    int64_t first = 0;
+    for (int i = 0; i < w->count; i++) {
+        const int status = pagellm_quant_linear(x, k, dtype, rows, k, w->data[i], w->type[i], w->rows[i],
+                                                bias != NULL ? bias + first : NULL, (char *)y + first * elem,
+                                                y_stride, dtype, num_threads);
+        if (status != 0) return status;
+        first += w->rows[i];
+    }
+    return 0;
+}
+
+/* As pagellm_decode_layers, for quantized linears: s's work buffers (normed, qkv, attention, act) hold
+ * dtype elements, and gate_up is rows x 2 * inter of them more. Returns 0, -1 for a weight the
+ * quantized kernel does not read, -2 without memory. */
+int pagellm_decode_layers_quantized(const pagellm_decode_quant_layer *layers, int64_t num_layers,
+                                    const pagellm_decode_step *s, void *x, void *residual, void *gate_up,
+                                    int dtype, int num_threads) {
+    const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t width = q_size + 2 * kv_size, rows = s->rows, elem = dtype == PAGELLM_F32 ? 4 : 2;
+    void *normed = s->normed, *qkv = s->qkv, *attention = s->attention, *act = s->act;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const pagellm_decode_quant_layer *w = &layers[l];
+        if (l == 0) {
+            memcpy(residual, x, (size_t)(rows * s->hidden * elem));
+            pagellm_rms_norm(x, NULL, NULL, w->input_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        } else {
+            pagellm_rms_norm(x, residual, residual, w->input_norm, normed, rows, s->hidden, s->eps, dtype,
+                             num_threads);
+        }
+        int status = quant_matmul(&w->qkv, normed, rows, s->hidden, w->qkv_bias, qkv, width, dtype, num_threads);
+        if (status != 0) return status;
+        pagellm_rotary(qkv, rows, width, s->heads + s->kv_heads, s->head_dim, s->positions, s->cos, s->sin, dtype,
+                       num_threads);
+        pagellm_write_kv((char *)qkv + q_size * elem, width, (char *)qkv + (q_size + kv_size) * elem, width, s->slots,
+                         rows, w->k_pool, w->v_pool, s->kv_heads, s->head_dim, s->block_size, elem, num_threads);
+        pagellm_paged_decode_attention(qkv, width, w->k_pool, w->v_pool, s->tables, s->lens, attention, rows,
+                                       s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
+                                       s->scale, dtype, num_threads, s->attention_scratch, s->cascade,
+                                       s->num_cascade);
+        status = quant_matmul(&w->o, attention, rows, q_size, w->o_bias, x, s->hidden, dtype, num_threads);
+        if (status != 0) return status;
+        pagellm_rms_norm(x, residual, residual, w->post_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
+        status = quant_matmul(&w->gate_up, normed, rows, s->hidden, w->gate_up_bias, gate_up, 2 * s->inter, dtype,
+                              num_threads);
+        if (status != 0) return status;
+        pagellm_silu_and_mul(gate_up, act, rows, s->inter, dtype, num_threads);
+        status = quant_matmul(&w->down, act, rows, s->inter, w->down_bias, x, s->hidden, dtype, num_threads);
+        if (status != 0) return status;
+    }
+    if (s->final_norm != NULL)
+        pagellm_rms_norm(x, residual, residual, s->final_norm, x, rows, s->hidden, s->final_eps, dtype, num_threads);
+    return 0;
+}

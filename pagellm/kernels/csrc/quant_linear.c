@@ -262,20 +262,37 @@ int64_t pagellm_quant_row_bytes(int type, int64_t k) {
     return k / elements * block_bytes(type);
 }
 
-/* y[r, j] = sum_i x[r, i] * W[j, i] (+ bias[j]) for rows r < m of x (float32, x_stride between rows)
- * and the n rows of the quantized w (row_bytes apart), into y (float32, y_stride between rows; a
- * column slice of a wider output when y_stride > n). Returns -1 for an unknown type or a k that is
- * not whole blocks, -2 without memory, else 0. */
-int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k, const uint8_t *w, int type,
-                         int64_t n, const float *bias, float *y, int64_t y_stride, int num_threads) {
+/* y[r, j] = sum_i x[r, i] * W[j, i] (+ bias[j]) for rows r < m of x (x_stride elements between rows,
+ * x_dtype float32 or bfloat16) and the n rows of the quantized w (row_bytes apart), into y (y_stride
+ * elements between rows, y_dtype; a column slice of a wider output when y_stride > n). Returns -1 for
+ * an unknown type or a k that is not whole blocks, -2 without memory, else 0. */
+int pagellm_quant_linear(const void *x_in, int64_t x_stride, int x_dtype, int64_t m, int64_t k, const uint8_t *w,
+                         int type, int64_t n, const float *bias, void *y_out, int64_t y_stride, int y_dtype,
+                         int num_threads) {
     const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
     if (row_bytes == 0) return -1;
     const int64_t blocks = k / block_elements(type), runs = k / 16;
-    /* sum(x) over each run of 16 of every row: the offsets mn multiply it. */
-    float *xsum = malloc((size_t)(m * runs + 1) * sizeof(float));
-    if (xsum == NULL) return -2;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t u = 0; u < runs; u++) xsum[r * runs + u] = hsum(load8(x + r * x_stride + 16 * u) + load8(x + r * x_stride + 16 * u + 8));
+    /* The input rows as float32, and sum(x) over each run of 16 of every row: the offsets mn multiply it. */
+    float *x = malloc((size_t)(m * (k + runs) + 1) * sizeof(float));
+    if (x == NULL) return -2;
+    float *xsum = x + m * k;
+    for (int64_t r = 0; r < m; r++) {
+        load_floats(x_in, r * x_stride, k, x_dtype, x + r * k);
+        for (int64_t u = 0; u < runs; u++)
+            xsum[r * runs + u] = hsum(load8(x + r * k + 16 * u) + load8(x + r * k + 16 * u + 8));
+    }
+    x_stride = k;
+    float *y = y_dtype == PAGELLM_F32 ? (float *)y_out : NULL;
+    float *y_staged = NULL; /* bfloat16 output: the float32 results first, then rounded once */
+    if (y == NULL) {
+        y_staged = malloc((size_t)(m * n + 1) * sizeof(float));
+        if (y_staged == NULL) {
+            free(x);
+            return -2;
+        }
+        y = y_staged;
+    }
+    const int64_t y_step = y_staged != NULL ? n : y_stride;
     /* Work items are (tile of QROWS input rows, chunk of weight rows); a chunk small enough that a
      * decode's few hundred weight rows spread over the threads. */
     const int64_t chunk = 8, chunks = (n + chunk - 1) / chunk, tiles = (m + QROWS - 1) / QROWS;
@@ -285,15 +302,15 @@ int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k,
             const int64_t r0 = t * QROWS, rows = m - r0 < QROWS ? m - r0 : QROWS;
             const int64_t j0 = c * chunk, j1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
             const float *xt = x + r0 * x_stride, *st = xsum + r0 * runs;
-            float *yt = y + r0 * y_stride;
+            float *yt = y + r0 * y_step;
             /* One copy of the loop per type and tile height, the block decoder inlined and the
              * accumulators in registers. */
 #define QUANT_ROWS(TYPE) \
     case TYPE: \
-        if (rows == 4) dot_rows(TYPE, 4, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
-        else if (rows == 3) dot_rows(TYPE, 3, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
-        else if (rows == 2) dot_rows(TYPE, 2, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
-        else dot_rows(TYPE, 1, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_stride); \
+        if (rows == 4) dot_rows(TYPE, 4, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_step); \
+        else if (rows == 3) dot_rows(TYPE, 3, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_step); \
+        else if (rows == 2) dot_rows(TYPE, 2, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_step); \
+        else dot_rows(TYPE, 1, xt, x_stride, st, runs, w, row_bytes, blocks, j0, j1, bias, yt, y_step); \
         break;
             switch (type) {
                 QUANT_ROWS(GGML_Q4_0) QUANT_ROWS(GGML_Q4_1) QUANT_ROWS(GGML_Q5_0) QUANT_ROWS(GGML_Q5_1)
@@ -302,7 +319,11 @@ int pagellm_quant_linear(const float *x, int64_t x_stride, int64_t m, int64_t k,
 #undef QUANT_ROWS
         }
     }
-    free(xsum);
+    if (y_staged != NULL) {
+        for (int64_t r = 0; r < m; r++) store_floats(y_out, r * y_stride, n, y_dtype, y_staged + r * n);
+        free(y_staged);
+    }
+    free(x);
     return 0;
 }
 
