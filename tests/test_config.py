@@ -81,7 +81,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_available_memory(llama_p
     (dict(pipeline_parallel_size=2), r"pipeline_parallel_size \(--pipeline-parallel-size\) must be 1"),
     (dict(kv_cache_dtype="fp4"), r"kv_cache_dtype \(--kv-cache-dtype\) must be one of auto, fp8"),
     (dict(calculate_kv_scales=True), "calculate_kv_scales .* scales an fp8 KV cache"),
-    (dict(quantization="awq"), "'awq' is not supported yet"),
+    (dict(quantization="awq"), "must be one of gguf, none, int8, q4_0, got 'awq'"),
     (dict(gpu_memory_utilization=0), r"must be a number in \(0, 1\]"),
     (dict(served_model_name=[]), "served_model_name"),
     (dict(tokenizer_mode="mistral"), "tokenizer_mode='mistral' is not supported: .*accepted: 'auto', 'hf'"),

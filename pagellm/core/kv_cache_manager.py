@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock, hash_block_key
+from pagellm.core.sched_output import BlockMoves
 from pagellm.core.sequence import Sequence
 
 
@@ -68,7 +69,15 @@ class KVCacheManager:
     With ``sliding_window`` (a model whose every layer attends to the last ``sliding_window`` tokens
     only), the leading blocks no later query can see go back to the pool as a sequence grows
     (``free_out_of_window``), their table entries replaced by ``OUT_OF_WINDOW``.
+
+    This is one KV cache group: every layer of the model reads these tables. A model whose layers
+    attend differently (Gemma's sliding and full-attention layers) has one per group
+    (``kv_groups.HybridKVCacheManager``).
     """
+
+    # The managers of the model's other KV cache groups (kv_groups.HybridKVCacheManager): none here,
+    # so the scheduler's per-group work costs one truth test.
+    extra_groups: tuple[KVCacheManager, ...] = ()
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0,
@@ -181,37 +190,58 @@ class KVCacheManager:
         ``cached`` (for a sequence without blocks) are prefix-cache hits to adopt first;
         they advance ``num_computed_tokens``. Returns False, changing nothing, if the pool is short.
         """
-        table = self.block_tables.get(seq.seq_id)
         cached = cached or []
+        computed, needed, cow_block, blocks = self.plan_slots(seq, num_new_tokens, cached)
+        if blocks > self.pool.num_free_blocks:
+            return False
+        self.commit_slots(seq, cached, computed, needed, cow_block)
+        if cached:
+            seq.num_computed_tokens = computed
+        return True
+
+    def plan_slots(self, seq: Sequence, num_new_tokens: int,
+                   cached: list[KVBlock]) -> tuple[int, int, KVBlock | None, int]:
+        """What ``allocate_slots`` would do, changing nothing: (tokens computed once the hits are adopted,
+        blocks to append, the shared block to copy before writing or None, free blocks it all takes)."""
+        table = self.block_tables.get(seq.seq_id)
         assert not cached or not table, "prefix hits are only adopted by a sequence without blocks"
         held = len(table or ()) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
         cow_block = self._shared_block_to_write(seq, computed)
-        revived = sum(1 for b in cached if b.ref_cnt == 0)  # free-but-cached hits leave the free queue
-        if needed + (cow_block is not None) + revived > self.pool.num_free_blocks:
-            return False
+        # Free-but-cached hits leave the free queue (out-of-window stand-ins among the hits take nothing).
+        revived = sum(1 for b in cached if b.ref_cnt == 0 and is_held(b))
+        return computed, needed, cow_block, needed + (cow_block is not None) + revived
+
+    def commit_slots(self, seq: Sequence, cached: list[KVBlock], computed: int, needed: int,
+                     cow_block: KVBlock | None) -> None:
+        """Carry out a plan of ``plan_slots`` (the caller checked the pool has its blocks); the caller
+        advances ``num_computed_tokens`` past adopted hits."""
+        table = self.block_tables.get(seq.seq_id)
         if table is None:
             table = self.block_tables[seq.seq_id] = []
         for block in cached:
-            self.pool.touch(block)
+            if is_held(block):
+                self.pool.touch(block)
         table.extend(cached)
         if cached:
-            seq.num_computed_tokens = computed
             self._num_hashed[seq.seq_id] = len(cached)
         if cow_block is not None:
             self._copy_on_write(table, computed // self.block_size)
         if needed:
             table.extend(self.pool.allocate(needed))
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-        return True
 
     def num_blocks_to_admit(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
         """Free blocks that admitting ``seq`` with these prefix hits would take."""
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         held = len(self.block_tables.get(seq.seq_id, ())) + len(cached)
-        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        revived = sum(1 for b in cached if b.ref_cnt == 0 and is_held(b))
         return max(0, self.blocks_for(computed + num_new_tokens) - held) + revived
+
+    def can_admit(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock], reserve: int) -> bool:
+        """Whether admitting ``seq`` with these prefix hits leaves ``reserve`` blocks free."""
+        return self.num_blocks_to_admit(seq, num_new_tokens, cached) + reserve <= self.pool.num_free_blocks
 
     def _shared_block_to_write(self, seq: Sequence, computed: int) -> KVBlock | None:
         """The partially filled block the next token goes into, if other tables hold it too."""
@@ -319,6 +349,11 @@ class KVCacheManager:
         into, self.pending_swap_in = self.pending_swap_in, []
         return out, into
 
+    def take_block_moves(self) -> BlockMoves:
+        """(swap out, swap in, copy): every block move asked for since the last call."""
+        out, into = self.take_pending_swaps()
+        return out, into, self.take_pending_copies()
+
     # ------------------------------------------------------------------ pins
     def pin(self, blocks: list[KVBlock]) -> None:
         """Hold ``blocks`` (a preloaded prefix) so eviction never takes them."""
@@ -370,8 +405,8 @@ class KVCacheManager:
         used = self.pool.num_used_blocks
         return KVCacheStats(
             block_size=bs,
-            total_blocks=self.num_blocks,
-            free_blocks=self.num_free_blocks,
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free_blocks,
             in_use_blocks=used,
             cached_blocks=self.pool.num_cached_free_blocks,
             pinned_blocks=len({b.block_id for b in self.pinned}),

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from pagellm.core.sequence import Sequence
 
+# One KV cache group's block moves of a step: (swap out, swap in, copy), each a list of (src, dst).
+BlockMoves = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
+
 
 @dataclass
 class ScheduledSeq:
@@ -22,6 +25,9 @@ class ScheduledSeq:
     # n > 1: children that fork from this sequence once its prompt is done; each samples its
     # own first token from the same logits.
     fork_children: list[Sequence] = field(default_factory=list)
+    # Models with several KV cache groups (Gemma: sliding and full-attention layers): the block tables
+    # of groups 1, 2, ... (``block_table`` is group 0's); empty with one group.
+    group_block_tables: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -36,8 +42,12 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Several KV cache groups: the moves above are group 0's; these, groups 1, 2, ...'s, each
+    # (swap out, swap in, copy) in its own pools' block ids. Empty with one group.
+    group_block_moves: list[BlockMoves] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and no block to move."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+                    or any(any(moves) for moves in self.group_block_moves))

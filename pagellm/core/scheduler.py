@@ -17,6 +17,10 @@ scheduler gives it ``num_tokens - num_computed_tokens`` more (capped by the budg
 Preemption swaps the sequence's blocks to the CPU pool (``swap``, or ``auto`` while the
 pool has room) or frees them to be recomputed later (``recompute``); either way the
 sequence keeps the tokens it generated.
+
+With several KV cache groups (``kv_groups.py``: Gemma's sliding and full-attention layers), the
+KV cache manager answers for all of them at once: a sequence gets its blocks, is admitted or swapped
+in only when every group has room, and each scheduled entry carries every group's block table.
 """
 
 from __future__ import annotations
@@ -169,6 +173,8 @@ class Scheduler:
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache_manager.take_pending_swaps()
         out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+        if self.kv_cache_manager.extra_groups:
+            out.group_block_moves = [g.take_block_moves() for g in self.kv_cache_manager.extra_groups]
         self.stats.num_steps += 1
         return out
 
@@ -237,11 +243,10 @@ class Scheduler:
         hits = self.kv_cache_manager.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
         num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache_manager.block_size,
                       budget, chunk_cap)
-        needed = self.kv_cache_manager.num_blocks_to_admit(head, num_new, hits)
 
         def fits() -> bool:
             return (self._seats_taken() + seats <= self.config.max_num_seqs
-                    and needed + self._decode_reserve() <= self.kv_cache_manager.num_free_blocks)
+                    and self.kv_cache_manager.can_admit(head, num_new, hits, self._decode_reserve()))
 
         while not fits() and self.running:
             victim = max(self.running, key=key)
@@ -290,14 +295,16 @@ class Scheduler:
         sample = end == seq.num_tokens
         if not sample:
             self.stats.num_partial_prefills += 1
+        kv = self.kv_cache_manager
         return ScheduledSeq(
             seq=seq,
             start=start,
             num_new_tokens=num_new,
-            block_table=self.kv_cache_manager.block_table(seq),
+            block_table=kv.block_table(seq),
             sample=sample,
             prompt_logprobs_range=lp_range,
             fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
+            group_block_tables=tuple(g.block_table(seq) for g in kv.extra_groups) if kv.extra_groups else (),
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

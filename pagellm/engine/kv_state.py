@@ -62,10 +62,12 @@ def short_hash(block_hash: int) -> str:
 def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
     """The pool cell by cell, the swap pool, the queued requests and the cache's counters.
 
-    ``pool.states`` has one code per block. Keyed by block id: ``ref_counts`` where above 1 (a block
-    in use has 1 otherwise, a free or cached one 0), ``holders`` (request ids) of the blocks in use,
-    ``hashes`` of the blocks in use and of the cached ones (those up to ``MAX_CACHED_HASHES``). The
-    result shares nothing with the engine: it may be encoded while the next step runs.
+    ``pool.states`` has one code per block of the first KV cache group's pool (the only one but for
+    Gemma's, whose full-attention group it is; ``groups`` counts each group's blocks). Keyed by block
+    id: ``ref_counts`` where above 1 (a block in use has 1 otherwise, a free or cached one 0),
+    ``holders`` (request ids) of the blocks in use, ``hashes`` of the blocks in use and of the cached
+    ones (those up to ``MAX_CACHED_HASHES``). The result shares nothing with the engine: it may be
+    encoded while the next step runs.
     """
     pool = manager.pool
     states = block_state_codes(manager)
@@ -106,9 +108,14 @@ def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
             "num_blocks": manager.cpu_pool.num_blocks if manager.cpu_pool is not None else 0,
             "blocks": swap_blocks,
         },
+        # The KV cache groups (Gemma: full-attention and sliding layers, a pool each); ``pool`` above is
+        # the first one's.
+        "groups": [{"sliding_window": g.sliding_window, "num_blocks": g.pool.num_blocks,
+                    "used_blocks": g.pool.num_used_blocks, "cached_blocks": g.pool.num_cached_free_blocks}
+                   for g in (manager, *manager.extra_groups)],
         "requests": request_rows(manager, scheduler),
         "stats": {
-            "kv_usage": pool.num_used_blocks / pool.num_blocks,
+            "kv_usage": manager.usage,
             "prefix_cache_queries": manager.prefix_cache_queries,
             "prefix_cache_hits": manager.prefix_cache_hits,
             "prefix_cache_hit_rate": (manager.prefix_cache_hits / manager.prefix_cache_queries

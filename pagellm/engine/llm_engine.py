@@ -57,7 +57,7 @@ class EngineStats:
     num_waiting: int  # requests with a sequence waiting (new, or preempted by recompute) and none running
     num_swapped: int  # requests with a sequence swapped out and none running
     num_never_scheduled: int  # waiting requests not scheduled even once yet
-    num_blocks: int
+    num_blocks: int  # of every KV cache group (Gemma's sliding and full-attention layers have a pool each)
     num_used_blocks: int
     num_slots: int
     num_filled_slots: int  # slots holding a computed token's K/V, each physical slot once
@@ -132,7 +132,8 @@ class LLMEngine:
         self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
             args, self.model.config, self.dtype, self.device, self.max_model_len)
         if self.tensor_parallel is not None:
-            self.tensor_parallel.share_kv_cache_size(self.kv_cache_manager.num_blocks, self.max_model_len)
+            # (In blocks of every layer: each rank splits them between its KV cache groups alike.)
+            self.tensor_parallel.share_kv_cache_size(self.cache_engine.num_blocks, self.max_model_len)
         # A longrope model computes a sequence again when it outgrows its short factors.
         switch_length = longrope_switch_length(config, self.max_model_len)
         self.kv_cache_manager.switch_length = switch_length
@@ -290,7 +291,7 @@ class LLMEngine:
             self.step()
         manager = self.kv_cache_manager
         pinned = sum(manager.pin_prompt(request.seqs[0]) for request in requests)
-        left = manager.num_blocks - len(manager.pinned)
+        left = manager.pool.num_blocks - len(manager.pinned)  # (the full-attention group's, with several)
         needed = cdiv(self.max_model_len, manager.block_size)
         if left < needed:
             manager.unpin_all()

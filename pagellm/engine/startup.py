@@ -12,7 +12,9 @@ import torch
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv_groups import HybridKVCacheManager, KVCacheGroupSpec, split_kv_blocks
 from pagellm.engine.sizing import KVCacheSizing
+from pagellm.model.gemma import kv_groups_of
 from pagellm.model.llama import sliding_window_of
 from pagellm.worker.cache_engine import CacheEngine, kv_cache_dtype
 from pagellm.worker.cpu_tuning import available_host_memory
@@ -122,9 +124,27 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
         str(kv_dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
     )
     num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
+    groups = kv_cache_groups(config)
+    group_blocks = group_cpu_blocks = layer_groups = None
+    if groups is not None:
+        # The same memory, split between the groups' pools (kv_groups.split_kv_blocks): every rank of a
+        # tensor-parallel model computes the same split from the same block count.
+        step_tokens = args.step_token_budget(max_model_len)
+        group_blocks = split_kv_blocks(num_blocks, groups, args.block_size, max_model_len, args.max_num_seqs,
+                                       step_tokens)
+        group_cpu_blocks = split_kv_blocks(num_cpu_blocks, groups, args.block_size, max_model_len,
+                                           args.max_num_seqs, step_tokens)
+        layer_groups = [0] * num_layers
+        for i, group in enumerate(groups):
+            for layer in group.layers:
+                layer_groups[layer] = i
+        logger.info("KV cache groups: %s", "; ".join(
+            f"{len(g.layers)} {'full-attention' if g.sliding_window is None else f'sliding ({g.sliding_window})'} "
+            f"layers, {n} blocks" for g, n in zip(groups, group_blocks)))
     try:
         cache_engine = CacheEngine(
-            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, kv_dtype, device, num_cpu_blocks
+            num_layers, num_blocks, args.block_size, num_kv_heads, head_dim, kv_dtype, device, num_cpu_blocks,
+            layer_groups=layer_groups, group_blocks=group_blocks, group_cpu_blocks=group_cpu_blocks,
         )
     except (RuntimeError, MemoryError) as e:
         # Only the allocators' refusals (CPU: "can't allocate memory"; CUDA: OutOfMemoryError).
@@ -135,7 +155,23 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
             f"{device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
             f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
         ) from e
-    # Where every layer attends to a window only, the blocks that fall out of it go back to the pool.
-    manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks,
-                             sliding_window=sliding_window_of(config))
+    manager: KVCacheManager
+    if groups is not None:
+        assert group_blocks is not None and group_cpu_blocks is not None
+        manager = HybridKVCacheManager(group_blocks, args.block_size, args.enable_prefix_caching,
+                                       num_cpu_blocks=group_cpu_blocks,
+                                       sliding_windows=[g.sliding_window for g in groups])
+    else:
+        # Where every layer attends to a window only, the blocks that fall out of it go back to the pool.
+        manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window_of(config))
     return cache_engine, manager, max_model_len
+
+
+def kv_cache_groups(config: Any) -> list[KVCacheGroupSpec] | None:
+    """The model's KV cache groups (layers by attention kind: Gemma's full-attention and sliding layers),
+    full attention first; None where one group serves every layer."""
+    groups = kv_groups_of(config)
+    if groups is None:
+        return None
+    return [KVCacheGroupSpec(layers, window) for window, layers in groups]

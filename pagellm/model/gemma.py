@@ -9,7 +9,9 @@ What differs from Llama, as transformers' modeling_gemma2.py and modeling_gemma3
 - the MLP's activation is gelu with the tanh approximation;
 - attention scores are scaled by ``query_pre_attn_scalar ** -0.5``;
 - sliding-window and full-attention layers alternate (``config.layer_types``): each layer hands its
-  own window to the attention backend;
+  own window to the attention backend, and reads its KV cache group's block tables (``kv_groups_of``:
+  the engine gives each kind of layer a pool and tables of its own, so that the blocks that fall out
+  of the sliding layers' window can be freed);
 - Gemma2 soft-caps the attention scores (so it runs on the PyTorch backend, the native kernels have
   no soft-capping) and the final logits: ``tanh(x / cap) * cap``;
 - Gemma3 normalizes each query and key head (``q_norm``, ``k_norm``, Gemma-style) before the
@@ -28,7 +30,7 @@ from torch import nn
 from pagellm.model.attention import AttentionMetadata, KVCache, OutputRows
 from pagellm.model.attention.torch_backend import soft_cap
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from pagellm.model.llama import Attention, LlamaForCausalLM, head_dim_of
+from pagellm.model.llama import PER_LAYER_WINDOW_TYPES, Attention, LlamaForCausalLM, head_dim_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")  # transformers' names of the tanh approximation
@@ -87,8 +89,11 @@ class GemmaAttention(Attention):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None, qk_norm: bool) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None, qk_norm: bool,
+                 kv_group: int = 0) -> None:
         super().__init__()
+        # The KV cache group whose block tables and slots this layer reads (kv_groups_of).
+        self.kv_group = kv_group
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.self_attn = GemmaAttention(config, rotary, window, qk_norm)
@@ -109,6 +114,9 @@ class GemmaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
+        if self.kv_group:
+            meta = meta.for_group(self.kv_group)
+            keep = keep.for_group(self.kv_group) if keep is not None else None
         h = self.self_attn(positions, h, kv_cache, meta, keep)  # (num_kept, hidden)
         if keep is not None:
             residual = residual[keep.index]
@@ -149,6 +157,21 @@ def layer_types_of(config: Any) -> list[str]:
     return types
 
 
+def kv_groups_of(config: Any) -> list[tuple[int | None, tuple[int, ...]]] | None:
+    """The layers grouped by how they attend, as (window or None for full attention, layer indices):
+    the full-attention group first, then the sliding one. None where one group serves every layer
+    (every layer attends alike, or no window is set)."""
+    if getattr(config, "model_type", "") not in PER_LAYER_WINDOW_TYPES:
+        return None
+    types = layer_types_of(config)
+    window = getattr(config, "sliding_window", None) or None
+    full = tuple(i for i, t in enumerate(types) if t == FULL)
+    sliding = tuple(i for i, t in enumerate(types) if t == SLIDING)
+    if window is None or not full or not sliding:
+        return None
+    return [(None, full), (window, sliding)]
+
+
 def rounded_to(value: float, dtype: torch.dtype) -> float:
     """``value`` rounded to ``dtype`` (via float32, as transformers stores it in a float32 buffer)."""
     return torch.tensor(value, dtype=torch.float32).to(dtype).item()
@@ -179,7 +202,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # One rotary table per layer type, shared by the layers of that type.
         rotary = {t: RotaryEmbedding(rope_config_for(config, t), head_dim_of(config), max_position) for t in set(types)}
         window = getattr(config, "sliding_window", None) or None
-        return [GemmaDecoderLayer(config, rotary[t], window if t == SLIDING else None, self.qk_norm) for t in types]
+        groups = kv_groups_of(config)
+        # Where the KV cache is split by attention kind, the sliding layers read group 1's tables.
+        return [GemmaDecoderLayer(config, rotary[t], window if t == SLIDING else None, self.qk_norm,
+                                  kv_group=int(groups is not None and t == SLIDING)) for t in types]
 
     def make_norm(self, config: Any) -> nn.Module:
         return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pagellm.worker.cpu_tuning import zeros_on_huge_pages
@@ -33,7 +35,12 @@ def kv_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 class CacheEngine:
     """Owns ``kv_caches[layer] = (k, v)``: k ``(num_blocks, num_kv_heads, head_dim, block_size)``,
     v ``(num_blocks, num_kv_heads, block_size, head_dim)``. Both are indexed by block id first, so
-    copies and swaps move whole blocks."""
+    copies and swaps move whole blocks.
+
+    With KV cache groups (``layer_groups``: each layer's group; ``group_blocks``, ``group_cpu_blocks``:
+    each group's pool sizes), a layer's pools have its group's number of blocks, block ids are the
+    group's own, and every block move names its group. ``num_blocks`` stays what the memory settings
+    gave in blocks of every layer (the groups' pools split that memory)."""
 
     def __init__(
         self,
@@ -45,10 +52,15 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         num_cpu_blocks: int = 0,
+        layer_groups: Sequence[int] | None = None,
+        group_blocks: Sequence[int] | None = None,
+        group_cpu_blocks: Sequence[int] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        k_shape, v_shape = kv_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+        groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
+        sizes = list(group_blocks) if group_blocks is not None else [num_blocks]
+        cpu_sizes = list(group_cpu_blocks) if group_cpu_blocks is not None else [num_cpu_blocks]
         # Zeroed, not empty: padded decode positions read unused slots, and NaN garbage
         # there would leak through the masked softmax (0 * NaN = NaN).
         # On CPU, on huge pages: attention reads the blocks of a pool in random order.
@@ -58,35 +70,52 @@ class CacheEngine:
         else:
             def zeros(shape: tuple[int, ...]) -> torch.Tensor:
                 return torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [(zeros(k_shape), zeros(v_shape)) for _ in range(num_layers)]
+        shapes = [kv_shapes(n, block_size, num_kv_heads, head_dim) for n in sizes]
+        self.kv_caches = [(zeros(shapes[g][0]), zeros(shapes[g][1])) for g in groups]
         # The swap pool in host memory. Left uninitialised: a block is only read after a swap-out
         # wrote it. Pinned on CUDA so that copies can overlap compute.
         pin = device.type == "cuda"
-        k_cpu, v_cpu = kv_shapes(num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        cpu_shapes = [kv_shapes(n, block_size, num_kv_heads, head_dim) for n in cpu_sizes]
         self.cpu_caches = [
-            (torch.empty(k_cpu, dtype=dtype, pin_memory=pin), torch.empty(v_cpu, dtype=dtype, pin_memory=pin))
-            for _ in range(num_layers)
-        ] if num_cpu_blocks else []
+            (torch.empty(cpu_shapes[g][0], dtype=dtype, pin_memory=pin),
+             torch.empty(cpu_shapes[g][1], dtype=dtype, pin_memory=pin))
+            for g in groups
+        ] if any(cpu_sizes) else []
+        # Each group's layers' pools (with one group, the lists above themselves).
+        if len(sizes) == 1:
+            self.group_kv_caches, self.group_cpu_caches = [self.kv_caches], [self.cpu_caches]
+        else:
+            self.group_kv_caches = [[c for c, g in zip(self.kv_caches, groups) if g == i] for i in range(len(sizes))]
+            self.group_cpu_caches = [[c for c, g in zip(self.cpu_caches, groups) if g == i]
+                                     for i in range(len(sizes))]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer's K and V."""
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_kv_caches)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every K and V pool of ``group``'s
+        layers."""
         if not pairs:
             return
-        device = self.kv_caches[0][0].device
+        caches = self.group_kv_caches[group]
+        device = caches[0][0].device
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
-        for k, v in self.kv_caches:
+        for k, v in caches:
             k, v = _as_bytes(k), _as_bytes(v)
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+    def swap_out(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
         """Copy device blocks to CPU blocks: pairs of (device id, CPU id)."""
-        self._move(pairs, self.kv_caches, self.cpu_caches)
+        if pairs:
+            self._move(pairs, self.group_kv_caches[group], self.group_cpu_caches[group])
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+    def swap_in(self, pairs: list[tuple[int, int]], group: int = 0) -> None:
         """Copy CPU blocks back to device blocks: pairs of (CPU id, device id)."""
-        self._move(pairs, self.cpu_caches, self.kv_caches)
+        if pairs:
+            self._move(pairs, self.group_cpu_caches[group], self.group_kv_caches[group])
 
     @staticmethod
     def _move(pairs: list[tuple[int, int]], src_caches: list, dst_caches: list) -> None:

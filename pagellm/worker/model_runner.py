@@ -78,6 +78,14 @@ class ModelRunner:
         self.device = device
         self.block_size = cache_engine.block_size
         self.sliding_window = sliding_window
+        # KV cache groups (Gemma: sliding and full-attention layers, each kind with its own pools and
+        # block tables); 1 for every other model.
+        self.num_groups = cache_engine.num_groups
+        # Each group's window (None: full attention), as its layers attend.
+        self.group_windows: dict[int, int | None] = {}
+        if self.num_groups > 1:
+            for layer in model.layers:
+                self.group_windows[getattr(layer, "kv_group", 0)] = layer.self_attn.window
         v_cache = cache_engine.kv_caches[0][1]
         _, num_kv_heads, _, head_dim = v_cache.shape
         # Soft-capped attention scores (Gemma2) rule out backends without them.
@@ -119,6 +127,10 @@ class ModelRunner:
         self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)
         self.cache_engine.swap_in(scheduler_output.blocks_to_swap_in)
         self.cache_engine.copy_blocks(scheduler_output.blocks_to_copy)
+        for group, (out, into, copies) in enumerate(scheduler_output.group_block_moves, start=1):
+            self.cache_engine.swap_out(out, group)
+            self.cache_engine.swap_in(into, group)
+            self.cache_engine.copy_blocks(copies, group)
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
@@ -133,6 +145,9 @@ class ModelRunner:
             attn.decode = self.prepare_decode(items[:num_decodes])
             attn.decode_seq_lens = [it.seq.num_tokens for it in items[:num_decodes]]
         attn.prefills = self.prepare_prefill(items[num_decodes:], num_decodes)
+        if self.num_groups > 1:
+            attn.group_metas = [attn, *(self.prepare_group(items, num_decodes, positions, attn, g)
+                                        for g in range(1, self.num_groups))]
         sampling = self.prepare_sample(items)
         logits_rows = self.prepare_logits_rows(attn, len(input_ids), sampling)
         return StepBatch(long_tensor(input_ids, self.device), long_tensor(positions, self.device), attn, sampling,
@@ -177,6 +192,39 @@ class ModelRunner:
                                      it.seq.num_tokens))
             q_start += n
         return spans
+
+    def prepare_group(self, items: list[ScheduledSeq], num_decodes: int, positions: list[int],
+                      attn: AttentionMetadata, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group`` (1 and up): the step's rows in the group's own blocks.
+
+        A sliding group's tables are cut to the blocks its window reaches from each chunk's first query
+        (the earlier ones, out-of-window stand-ins or blocks about to be freed, would only be masked), and
+        its context lengths counted from there: attention depends on the keys' order, not their absolute
+        positions (the rotation is applied before they are stored). Its decodes read no shared runs."""
+        bs = self.block_size
+        window = self.group_windows.get(group)
+        tables = [it.group_block_tables[group - 1] for it in items]
+        slots: list[int] = []
+        at = 0
+        skipped = []  # leading blocks of each table no query of the step reads
+        for it, table in zip(items, tables):
+            slots.extend(table[p // bs] * bs + p % bs for p in positions[at : at + it.num_new_tokens])
+            at += it.num_new_tokens
+            skipped.append(0 if window is None else max(0, it.start - window) // bs)
+        slot_mapping = long_tensor(slots, self.device)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // bs,
+                                 slot_offsets=slot_mapping % bs, sliding_window=self.sliding_window,
+                                 decode_seq_lens=attn.decode_seq_lens)
+        if num_decodes:
+            meta.decode = self.attn_backend.prepare_decode(
+                [table[k:] for table, k in zip(tables[:num_decodes], skipped)],
+                [it.start + 1 - k * bs for it, k in zip(items[:num_decodes], skipped)], [])
+        meta.prefills = [
+            PrefillSpan(span.q_start, span.q_len, span.context_len - k * bs, long_tensor(table[k:], self.device),
+                        span.seq_len)
+            for span, table, k in zip(attn.prefills, tables[num_decodes:], skipped[num_decodes:])
+        ]
+        return meta
 
     def prepare_sample(self, items: list[ScheduledSeq]) -> SamplingMetadata:
         """The rows each sampling sequence reads (its chunk's last), and those scoring prompt tokens."""

@@ -14,8 +14,9 @@ weights. Decode therefore never copies K or V.
 A step's flat batch holds the decode tokens first (one per sequence), then each prefill (or prefill
 chunk) as a run of tokens. The modules:
 
-- ``metadata.py``: ``AttentionMetadata`` (slots, the decodes' backend-specific part, prefill spans),
-  the last layer's ``OutputRows``, ``cascade_runs``.
+- ``metadata.py``: ``AttentionMetadata`` (slots, the decodes' backend-specific part, prefill spans;
+  with KV cache groups, one per group, each layer reading its group's through ``for_group``), the
+  last layer's ``OutputRows``, ``cascade_runs``.
 - ``backend.py``: ``AttentionBackend`` (``prepare_decode``, ``write_kv``, ``decode``, ``prefill``,
   ``forward``, ``step_driver``) and ``AttentionConfig``, what a backend is chosen from. A layer may
   pass its own sliding window (``window``; by default the model-wide one in the metadata).

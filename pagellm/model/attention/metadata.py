@@ -63,10 +63,18 @@ class AttentionMetadata:
     # The whole sequence's length for each one-token row (a decode, or a prompt's one-token chunk);
     # None: position + 1. Longrope picks its factors by it.
     decode_seq_lens: list[int] | None = None
+    # Models with several KV cache groups (Gemma's sliding and full-attention layers, each kind with
+    # its own pool and block tables): every group's metadata, this one first (group 0); the others
+    # have their own slots, decode tables and prefill spans. None: one group.
+    group_metas: list[AttentionMetadata] | None = None
 
     @property
     def num_decodes(self) -> int:
         return 0 if self.decode is None else self.decode.num
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of the layers of KV cache group ``group`` (this one where there is one group)."""
+        return self if self.group_metas is None else self.group_metas[group]
 
 
 @dataclass
@@ -85,6 +93,11 @@ class OutputRows:
     index: torch.Tensor  # [num_kept] int64: the same, on the batch's device
     meta: AttentionMetadata  # the kept rows' own: decodes unchanged, each prefill cut to its kept suffix
 
+    def for_group(self, group: int) -> OutputRows:
+        """The same rows, with the metadata of KV cache group ``group``."""
+        own = self.meta.for_group(group)
+        return self if own is self.meta else OutputRows(self.rows, self.index, own)
+
     def positions(self, flat_rows: list[int]) -> list[int]:
         """Where each of ``flat_rows`` (kept rows, repeats allowed) lies among the kept rows."""
         at = {r: i for i, r in enumerate(self.rows)}
@@ -99,22 +112,34 @@ def choose_output_rows(meta: AttentionMetadata, num_tokens: int, num_decodes: in
     one to its end (a suffix keeps the span a causal run of queries). None where that is every row."""
     wanted = sorted(set(needed))
     kept = list(range(num_decodes))
-    spans = []
-    for span in meta.prefills:
+    cuts = []  # (prefill index, its first kept row's place among the kept rows, its first kept row)
+    for i, span in enumerate(meta.prefills):
         end = span.q_start + span.q_len
         at = bisect.bisect_left(wanted, span.q_start)
         if at == len(wanted) or wanted[at] >= end:
             continue  # a chunk that samples nothing: only its K/V is needed
         first = wanted[at]
-        spans.append(PrefillSpan(len(kept), end - first, span.context_len, span.block_table, span.seq_len))
+        cuts.append((i, len(kept), first))
         kept.extend(range(first, end))
     if len(kept) == num_tokens:
         return None
     index = torch.tensor(kept, dtype=torch.long, device=meta.slot_mapping.device)
-    # (The kept rows' K/V is already stored: their slots are kept only so that the metadata
-    # describes its own rows.)
-    own = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[index], slot_blocks=meta.slot_blocks[index],
-                              slot_offsets=meta.slot_offsets[index], prefills=spans, output_rows=None)
+
+    def cut(m: AttentionMetadata) -> AttentionMetadata:
+        spans = []
+        for i, q_start, first in cuts:
+            span = m.prefills[i]
+            spans.append(PrefillSpan(q_start, span.q_start + span.q_len - first, span.context_len, span.block_table,
+                                     span.seq_len))
+        # (The kept rows' K/V is already stored: their slots are kept only so that the metadata
+        # describes its own rows.)
+        return dataclasses.replace(m, slot_mapping=m.slot_mapping[index], slot_blocks=m.slot_blocks[index],
+                                   slot_offsets=m.slot_offsets[index], prefills=spans, output_rows=None,
+                                   group_metas=None)
+
+    own = cut(meta)
+    if meta.group_metas is not None:
+        own.group_metas = [own, *(cut(m) for m in meta.group_metas[1:])]
     return OutputRows(kept, index, own)
 
 
