@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from pagellm.kernels import native
+from pagellm.kernels import native, quant
 from pagellm.model.attention.metadata import AttentionMetadata
 from pagellm.model.attention.native_backend import DecodeBatch
 from pagellm.model.packed_linear import PackedLinear
@@ -37,8 +37,18 @@ def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _quant_matrix(layer: QuantLinear) -> native.QuantMatrix:
-    matrix = native.QuantMatrix()
+def _fill_shared(slot: Any, layer: Any, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The fields both layer tables hold alike: norms, biases, pools."""
+    qkv, o, gate_up, down = _linears(layer)
+    slot.input_norm = layer.input_layernorm.weight.data_ptr()
+    slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+    slot.qkv_bias, slot.o_bias = _pointer(qkv.bias), _pointer(o.bias)
+    slot.gate_up_bias, slot.down_bias = _pointer(gate_up.bias), _pointer(down.bias)
+    slot.k_pool, slot.v_pool = k_cache.data_ptr(), v_cache.data_ptr()
+
+
+def _quant_matrix(layer: QuantLinear) -> quant.QuantMatrix:
+    matrix = quant.QuantMatrix()
     matrix.count = len(layer.segments)
     for i, segment in enumerate(layer.segments):
         matrix.data[i], matrix.rows[i], matrix.type[i] = segment.data.data_ptr(), segment.shape[0], segment.ggml_type
@@ -77,13 +87,9 @@ class NativeDecoder:
         layers = (native.DecodeLayer * len(model.layers))()
         for slot, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_caches):
             qkv, o, gate_up, down = _linears(layer)
-            slot.input_norm = layer.input_layernorm.weight.data_ptr()
-            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            _fill_shared(slot, layer, k_cache, v_cache)
             slot.qkv, slot.o = qkv.packed_weight.data_ptr(), o.packed_weight.data_ptr()
             slot.gate_up, slot.down = gate_up.packed_weight.data_ptr(), down.packed_weight.data_ptr()
-            slot.qkv_bias, slot.o_bias = _pointer(qkv.bias), _pointer(o.bias)
-            slot.gate_up_bias, slot.down_bias = _pointer(gate_up.bias), _pointer(down.bias)
-            slot.k_pool, slot.v_pool = k_cache.data_ptr(), v_cache.data_ptr()
             self.tensors += [m.packed_weight for m in (qkv, o, gate_up, down)]
         return layers
 
@@ -196,15 +202,11 @@ class QuantizedDecoder(NativeDecoder):
     MAX_SEGMENTS = 3  # pagellm_quant_matrix's
 
     def _layer_table(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[Any]:
-        layers = (native.DecodeQuantLayer * len(model.layers))()
+        layers = (quant.DecodeQuantLayer * len(model.layers))()
         for slot, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_caches):
             qkv, o, gate_up, down = _linears(layer)
-            slot.input_norm = layer.input_layernorm.weight.data_ptr()
-            slot.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            _fill_shared(slot, layer, k_cache, v_cache)
             slot.qkv, slot.o, slot.gate_up, slot.down = (_quant_matrix(m) for m in (qkv, o, gate_up, down))
-            slot.qkv_bias, slot.o_bias = _pointer(qkv.bias), _pointer(o.bias)
-            slot.gate_up_bias, slot.down_bias = _pointer(gate_up.bias), _pointer(down.bias)
-            slot.k_pool, slot.v_pool = k_cache.data_ptr(), v_cache.data_ptr()
             self.tensors += [s.data for m in (qkv, o, gate_up, down) for s in m.segments]
         return layers
 
@@ -220,4 +222,4 @@ class QuantizedDecoder(NativeDecoder):
 
     def _run(self, step: native.DecodeStep, x: torch.Tensor, residual: torch.Tensor) -> None:
         gate_up = x.new_empty(x.shape[0], 2 * self.inter)
-        native.decode_layers_quantized(self.layers, step, x, residual, gate_up)
+        quant.decode_layers_quantized(self.layers, step, x, residual, gate_up)

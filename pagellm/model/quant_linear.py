@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import native
+from pagellm.kernels import quant
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 (rows, cols)."""
-        return native.dequantize(self.data, self.ggml_type, self.shape[1])
+        return quant.dequantize(self.data, self.ggml_type, self.shape[1])
 
     @property
     def type_name(self) -> str:
@@ -56,7 +56,7 @@ class QuantizedWeight:
 
 def kernels_read(ggml_type: int, cols: int) -> bool:
     """Whether the native kernels read weights of this type and width (and are loaded)."""
-    return native.quant_row_bytes(ggml_type, cols) > 0
+    return quant.quant_row_bytes(ggml_type, cols) > 0
 
 
 class QuantLinear(nn.Module):
@@ -72,7 +72,7 @@ class QuantLinear(nn.Module):
         self.in_features = cols.pop()
         self.out_features = sum(s.shape[0] for s in segments)
         for s in segments:
-            native.check_quantized(s.data, s.ggml_type, self.in_features)
+            quant.check_quantized(s.data, s.ggml_type, self.in_features)
         self.segments = merge_segments(segments)
         self.bounds = np.cumsum([0] + [s.shape[0] for s in self.segments]).tolist()
         # Added to the float32 sums by the kernel.
@@ -102,10 +102,10 @@ class QuantLinear(nn.Module):
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
             if len(self._calls) == 1:
                 data, ggml_type, bias, _, _ = self._calls[0]
-                native.quant_linear_checked(rows, data, ggml_type, bias, out)
+                quant.quant_linear_checked(rows, data, ggml_type, bias, out)
             else:
                 for data, ggml_type, bias, begin, end in self._calls:
-                    native.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end])
+                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end])
         else:
             weight = self.dequantized()
             if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized

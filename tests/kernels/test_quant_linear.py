@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
-from pagellm.kernels import native
+from pagellm.kernels import native, quant
 from pagellm.model.default_model import embedded_gguf_path
 from pagellm.model.quant_linear import GGML_TYPES
 
@@ -37,7 +37,7 @@ def reference(raw: np.ndarray, name: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(GGML_TYPES))
 def test_dequantized_weights_are_ggufs_to_the_bit(name):
     raw = random_blocks(name, 24, 512)
-    ours = native.dequantize(torch.from_numpy(raw), GGML_TYPES[name], 512)
+    ours = quant.dequantize(torch.from_numpy(raw), GGML_TYPES[name], 512)
     assert torch.equal(ours, reference(raw, name))
 
 
@@ -49,7 +49,7 @@ def test_products_are_the_dequantized_weights_to_rounding(name, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n)
     want = x.double() @ reference(raw, name).double().T + bias.double()
-    got = native.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias)
+    got = quant.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -57,19 +57,19 @@ def test_a_product_lands_in_a_column_slice_of_a_wider_output():
     raw = torch.from_numpy(random_blocks("Q4_K", 8, 256))
     x = torch.randn(3, 256)
     wide = torch.full((3, 20), 7.0)
-    native.quant_linear(x, raw, GGML_TYPES["Q4_K"], out=wide[:, 4:12])
-    torch.testing.assert_close(wide[:, 4:12], native.quant_linear(x, raw, GGML_TYPES["Q4_K"]))
+    quant.quant_linear(x, raw, GGML_TYPES["Q4_K"], out=wide[:, 4:12])
+    torch.testing.assert_close(wide[:, 4:12], quant.quant_linear(x, raw, GGML_TYPES["Q4_K"]))
     assert (wide[:, :4] == 7).all() and (wide[:, 12:] == 7).all()
 
 
 def test_weights_of_the_wrong_shape_or_type_are_refused():
     raw = torch.from_numpy(random_blocks("Q8_0", 4, 64))
     with pytest.raises(ValueError, match="rows of 68 bytes"):
-        native.quant_linear(torch.randn(1, 64), raw[:, :60].contiguous(), GGML_TYPES["Q8_0"])
+        quant.quant_linear(torch.randn(1, 64), raw[:, :60].contiguous(), GGML_TYPES["Q8_0"])
     with pytest.raises(ValueError, match="uint8"):
-        native.quant_linear(torch.randn(1, 64), raw.to(torch.int16), GGML_TYPES["Q8_0"])
-    assert native.quant_row_bytes(GGML_TYPES["Q8_0"], 48) == 0  # not whole blocks
-    assert native.quant_row_bytes(99, 64) == 0  # a type the kernels do not read
+        quant.quant_linear(torch.randn(1, 64), raw.to(torch.int16), GGML_TYPES["Q8_0"])
+    assert quant.quant_row_bytes(GGML_TYPES["Q8_0"], 48) == 0  # not whole blocks
+    assert quant.quant_row_bytes(99, 64) == 0  # a type the kernels do not read
 
 
 SMOLLM2 = embedded_gguf_path()
@@ -86,7 +86,7 @@ def test_the_shipped_smollm2_weights_read_as_gguf_reads_them():
         raw = np.asarray(t.data)
         ref = torch.from_numpy(quants.dequantize(raw, t.tensor_type).astype(np.float32))
         weight = torch.from_numpy(np.array(raw, copy=True))
-        assert torch.equal(native.dequantize(weight, int(t.tensor_type), int(t.shape[0])), ref), name
+        assert torch.equal(quant.dequantize(weight, int(t.tensor_type), int(t.shape[0])), ref), name
         want = x.double() @ ref.double().T
-        got = native.quant_linear(x, weight, int(t.tensor_type)).double()
+        got = quant.quant_linear(x, weight, int(t.tensor_type)).double()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
