@@ -30,12 +30,13 @@ class DecodeQuantLayer(ctypes.Structure):
 
 
 def decode_layers_quantized(layers: ctypes.Array, step: DecodeStep, x: torch.Tensor, residual: torch.Tensor,
-                            gate_up: torch.Tensor) -> None:
+                            gate_up: torch.Tensor, int8_activations: bool) -> None:
     """``decode_layers`` for quantized linears, in ``x``'s dtype (float32 or bfloat16); ``gate_up`` is
-    the work buffer of the MLP's (rows, 2 * inter) projection."""
+    the work buffer of the MLP's (rows, 2 * inter) projection; ``int8_activations``: the linears'
+    inputs quantized to 8 bits (``quant_linear(..., int8_activations=True)``)."""
     status = _lib().pagellm_decode_layers_quantized(layers, len(layers), ctypes.byref(step), x.data_ptr(),
                                                     residual.data_ptr(), gate_up.data_ptr(), DTYPE_CODES[x.dtype],
-                                                    torch.get_num_threads())
+                                                    int(int8_activations), torch.get_num_threads())
     if status == -2:
         raise MemoryError(f"native decode step: no memory for {step.rows} rows")
     assert status == 0, status
@@ -57,10 +58,12 @@ def _check_quantized(weight: torch.Tensor, ggml_type: int, k: int) -> None:
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
     """x (m, k) float32 @ W.T (+ bias) for the quantized ``weight`` (n rows of blocks): (m, n) float32,
     written into ``out`` when given (a float32 (m, n) view whose rows are contiguous, such as a column
-    slice of a wider output)."""
+    slice of a wider output). With ``int8_activations`` each block of 32 of x is first quantized to
+    int8 with its own scale (llama.cpp's Q8_0) and the products are integer dot products
+    (``csrc/quant_linear_int8.c``): faster, with the error of that rounding."""
     m, k = x.shape
     _check_quantized(weight, ggml_type, k)
     n = weight.shape[0]
@@ -72,19 +75,21 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: to
         raise ValueError(f"out must be a float32 ({m}, {n}) tensor with contiguous rows")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor of {n}")
-    quant_linear_checked(x, weight, ggml_type, bias, out)
+    quant_linear_checked(x, weight, ggml_type, bias, out, int8_activations)
     return out
 
 
 def quant_linear_checked(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
-                         out: torch.Tensor) -> None:
+                         out: torch.Tensor, int8_activations: bool = False) -> None:
     """``quant_linear`` on arguments already checked (float32 x with contiguous rows, a weight
     ``_check_quantized`` accepted, out as there): a model's every decode step calls it, and the
     checks cost as much as the kernel on a small layer."""
     m, k = x.shape
     if m:
         f32 = DTYPE_CODES[torch.float32]
-        status = _lib().pagellm_quant_linear(
+        lib = _lib()
+        kernel = lib.pagellm_quant_linear_int8 if int8_activations else lib.pagellm_quant_linear
+        status = kernel(
             x.data_ptr(), x.stride(0), f32, m, k, weight.data_ptr(), ggml_type, weight.shape[0],
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), f32,
             _threads_for(weight.numel() * m))

@@ -202,6 +202,8 @@ class QuantizedDecoder(NativeDecoder):
     MAX_SEGMENTS = 3  # pagellm_quant_matrix's
 
     def _layer_table(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[Any]:
+        # One mode for the whole step, the one every decoder layer's QuantLinear took at load.
+        self.int8_activations = _linears(model.layers[0])[0].inputs != "float"
         layers = (quant.DecodeQuantLayer * len(model.layers))()
         for slot, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_caches):
             qkv, o, gate_up, down = _linears(layer)
@@ -222,4 +224,4 @@ class QuantizedDecoder(NativeDecoder):
 
     def _run(self, step: native.DecodeStep, x: torch.Tensor, residual: torch.Tensor) -> None:
         gate_up = x.new_empty(x.shape[0], 2 * self.inter)
-        quant.decode_layers_quantized(self.layers, step, x, residual, gate_up)
+        quant.decode_layers_quantized(self.layers, step, x, residual, gate_up, self.int8_activations)

@@ -1,6 +1,14 @@
 """Linear layers whose weights stay in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_linear.c`` documents the formats).
 
+How they multiply (``PAGELLM_QUANT_ACTIVATIONS``): with int8 inputs, each input row is rounded to
+int8 per block of 32 and the products are integer dot products (``quant_linear_int8.c``), as llama.cpp
+and vLLM's GGUF kernels do; with float inputs the weights widen to float32 instead
+(``quant_linear.c``): slower, and the dequantized weight's product to float32 rounding. ``decode``,
+the default, takes int8 inputs in decode-only steps (the one-call decoder, ``native_decode.py``) and
+float inputs for prompt tokens, so that a prompt's first token is the dequantized model's; ``int8``
+and ``float`` take those inputs everywhere. The LM head always takes float inputs.
+
 Where they come from:
 
 - a GGUF file's quantized tensors, as stored (``--quantization gguf``, the default for a GGUF file
@@ -18,6 +26,7 @@ where the multiply outweighs the unpacking.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +41,21 @@ logger = logging.getLogger(__name__)
 # ggml's type ids of the formats the kernels read.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
-# Input rows up to which the kernel reads the blocks directly; above, one dequantization per call
-# and a BLAS matmul are faster.
-DIRECT_MAX_ROWS = 16
+# Input rows up to which the kernels read the blocks directly (integer dot products, float ones); above,
+# one dequantization per call and a BLAS matmul are faster.
+DIRECT_MAX_ROWS = {True: 32, False: 16}
+ACTIVATIONS_ENV = "PAGELLM_QUANT_ACTIVATIONS"
+ACTIVATION_MODES = ("decode", "int8", "float")
+
+
+def activation_mode() -> str:
+    """Where the quantized layers round their inputs to int8 (``PAGELLM_QUANT_ACTIVATIONS``)."""
+    mode = os.environ.get(ACTIVATIONS_ENV, "decode").strip().lower() or "decode"
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"{ACTIVATIONS_ENV}={mode!r} is not one of {', '.join(ACTIVATION_MODES)}: decode rounds "
+                         "the inputs of quantized linear layers to int8 in decode steps, int8 everywhere, "
+                         "float nowhere (the dequantized weights' products, slower)")
+    return mode
 
 
 @dataclass
@@ -64,13 +85,18 @@ class QuantLinear(nn.Module):
 
     bias: torch.Tensor | None
 
-    def __init__(self, segments: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
+    def __init__(self, segments: list[QuantizedWeight], bias: torch.Tensor | None, inputs: str | None = None
+                 ) -> None:
+        """``inputs``: one of ``ACTIVATION_MODES`` (None: ``PAGELLM_QUANT_ACTIVATIONS``'s)."""
         super().__init__()
         cols = {s.shape[1] for s in segments}
         if len(cols) != 1:
             raise ValueError(f"segments of one linear layer must share their width, got {sorted(cols)}")
         self.in_features = cols.pop()
         self.out_features = sum(s.shape[0] for s in segments)
+        self.inputs = activation_mode() if inputs is None else inputs
+        # This layer's own forward (prompt tokens, mixed steps, models without the one-call decoder).
+        self.int8_activations = self.inputs == "int8"
         for s in segments:
             quant.check_quantized(s.data, s.ggml_type, self.in_features)
         self.segments = merge_segments(segments)
@@ -96,16 +122,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DIRECT_MAX_ROWS:
+        if rows.shape[0] <= DIRECT_MAX_ROWS[self.int8_activations]:
             if rows.dtype != torch.float32 or rows.stride(1) != 1:
                 rows = rows.float().contiguous()
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
             if len(self._calls) == 1:
                 data, ggml_type, bias, _, _ = self._calls[0]
-                quant.quant_linear_checked(rows, data, ggml_type, bias, out)
+                quant.quant_linear_checked(rows, data, ggml_type, bias, out, self.int8_activations)
             else:
                 for data, ggml_type, bias, begin, end in self._calls:
-                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end])
+                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], self.int8_activations)
         else:
             weight = self.dequantized()
             if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized
@@ -117,7 +143,7 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         types = "+".join(s.type_name for s in self.segments)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}, inputs={self.inputs}"
 
 
 def merge_segments(segments: list[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -165,6 +191,13 @@ def quantizable(method: str, linear: nn.Module) -> bool:
     return isinstance(linear, nn.Linear) and linear.in_features % 32 == 0 and method in QUANTIZERS
 
 
+def inputs_for(layer_name: str) -> str | None:
+    """The LM head multiplies float inputs: a decode step's single row reads each of its weights once,
+    so it waits on memory either way, and its logits are what users see as logprobs. Other layers
+    follow ``PAGELLM_QUANT_ACTIVATIONS``."""
+    return "float" if layer_name == "lm_head" else None
+
+
 def quantize_linear_layers(model: nn.Module, method: str) -> int:
     """Replace every ``nn.Linear`` of ``model`` (weights loaded) whose width is whole blocks by a
     ``QuantLinear`` quantized with ``method`` (int8 or q4_0); returns how many."""
@@ -174,7 +207,7 @@ def quantize_linear_layers(model: nn.Module, method: str) -> int:
         for name, child in list(module.named_children()):
             if quantizable(method, child):
                 assert isinstance(child, nn.Linear)
-                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias))
+                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias, inputs_for(name)))
                 count += 1
     return count
 
@@ -193,6 +226,6 @@ def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, Quantiz
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if not isinstance(linear, nn.Linear) or sum(p.shape[0] for _, p in pieces) != linear.out_features:
             raise ValueError(f"quantized pieces of {name!r} do not make up its {type(linear).__name__}")
-        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias))
+        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias, inputs_for(child_name)))
         count += 1
     return count

@@ -1,5 +1,7 @@
-"""The quantized linear kernels (csrc/quant_linear.c) against gguf's own dequantizers: the weights they
-read are the reference's to the bit, and their products are the dequantized weight's to float32 rounding."""
+"""The quantized linear kernels (csrc/quant_linear.c, quant_linear_int8.c) against gguf's own
+dequantizers: the weights they read are the reference's to the bit; with float inputs the products are
+the dequantized weight's to float32 rounding, with int8 inputs they are the dequantized weight times
+the inputs rounded as llama.cpp's Q8_0 rounds them."""
 
 from __future__ import annotations
 
@@ -34,6 +36,15 @@ def reference(raw: np.ndarray, name: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[name]).astype(np.float32))
 
 
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 kernels see it: each block of 32 rounded to int8 steps of max|x| / 127, as
+    gguf's Q8_0 quantizer would (without its float16 scale: the kernels keep float32 ones)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    steps = torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    return (steps * (amax / 127)).reshape(x.shape)
+
+
 @pytest.mark.parametrize("name", list(GGML_TYPES))
 def test_dequantized_weights_are_ggufs_to_the_bit(name):
     raw = random_blocks(name, 24, 512)
@@ -51,6 +62,37 @@ def test_products_are_the_dequantized_weights_to_rounding(name, rows):
     want = x.double() @ reference(raw, name).double().T + bias.double()
     got = quant.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", list(GGML_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_int8_products_are_the_weights_times_the_rounded_inputs(name, rows):
+    n, k = 41, 768  # (an odd number of weight rows: the kernel takes them two at a time)
+    raw = random_blocks(name, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # a block of zeros has no scale
+    bias = torch.randn(n)
+    weight = reference(raw, name).double()
+    want = q8_rounded(x).double() @ weight.T + bias.double()
+    got = quant.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias, int8_activations=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # ... and within the inputs' rounding of the float product
+    exact = x.double() @ weight.T + bias.double()
+    assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_int8_products_take_bfloat16_inputs_and_outputs_through_the_decode_step():
+    # The model path: bfloat16 activations in, bfloat16 out (decode_layer.c calls the kernel so).
+    raw = torch.from_numpy(random_blocks("Q4_1", 16, 64))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    lib = native._lib()
+    out = torch.empty(3, 16, dtype=torch.bfloat16)
+    codes = native.DTYPE_CODES[torch.bfloat16]
+    status = lib.pagellm_quant_linear_int8(x.data_ptr(), 64, codes, 3, 64, raw.data_ptr(), GGML_TYPES["Q4_1"], 16,
+                                           None, out.data_ptr(), 16, codes, 2)
+    assert status == 0
+    want = quant.quant_linear(x.float(), raw, GGML_TYPES["Q4_1"], int8_activations=True)
+    assert torch.equal(out, want.to(torch.bfloat16))
 
 
 def test_a_product_lands_in_a_column_slice_of_a_wider_output():
@@ -89,4 +131,7 @@ def test_the_shipped_smollm2_weights_read_as_gguf_reads_them():
         assert torch.equal(quant.dequantize(weight, int(t.tensor_type), int(t.shape[0])), ref), name
         want = x.double() @ ref.double().T
         got = quant.quant_linear(x, weight, int(t.tensor_type)).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        want = q8_rounded(x).double() @ ref.double().T
+        got = quant.quant_linear(x, weight, int(t.tensor_type), int8_activations=True).double()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

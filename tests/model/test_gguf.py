@@ -13,6 +13,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.model import gguf_file
 from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
+from pagellm.model.quant_linear import ACTIVATIONS_ENV
 from tests.helpers import assert_all_blocks_free
 
 SMOLLM2 = embedded_gguf_path()
@@ -36,6 +37,15 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "Blue."},
      {"role": "user", "content": "Another one?"}],
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def float_inputs():
+    """transformers is the oracle here, to the token: the quantized layers multiply float inputs (int8
+    inputs, the default, round them as llama.cpp does: tests/model/test_quant_linear.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ACTIVATIONS_ENV, "float")
+        yield
 
 
 @lru_cache(maxsize=1)

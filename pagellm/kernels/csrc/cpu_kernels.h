@@ -12,7 +12,8 @@
  *   sampler.c            the sampler's argmax + logsumexp
  *   gemm.c               the bfloat16 linear layers (AVX512-BF16)
  *   quant_linear.c       linear layers on GGUF's quantized block formats (Q4_0 ... Q6_K), and their
- *                        dequantizer
+ *                        dequantizer (the formats: quant_blocks.h)
+ *   quant_linear_int8.c  the same with the input rows quantized to 8 bits (integer dot products)
  *   decode_layer.c       a decode step's decoder layers in one call
  *
  * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
@@ -298,5 +299,9 @@ int pagellm_quant_linear(const void *x, int64_t x_stride, int x_dtype, int64_t m
                          int type, int64_t n, const float *bias, void *y, int64_t y_stride, int y_dtype,
                          int num_threads);
 int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *out, int num_threads);
+/* quant_linear_int8.c */
+int pagellm_quant_linear_int8(const void *x, int64_t x_stride, int x_dtype, int64_t m, int64_t k, const uint8_t *w,
+                              int type, int64_t n, const float *bias, void *y, int64_t y_stride, int y_dtype,
+                              int num_threads);
 
 #endif /* PAGELLM_CPU_KERNELS_H */

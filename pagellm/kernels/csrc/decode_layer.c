@@ -96,25 +96,28 @@ typedef struct {
 
 /* y[:, :rows of all segments] = x @ W.T (+ bias), segment by segment into its columns. */
 static int quant_matmul(const pagellm_quant_matrix *w, const void *x, int64_t rows, int64_t k, const float *bias,
-                        void *y, int64_t y_stride, int dtype, int num_threads) {
+                        void *y, int64_t y_stride, int dtype, int int8_activations, int num_threads) {
+    int (*linear)(const void *, int64_t, int, int64_t, int64_t, const uint8_t *, int, int64_t, const float *, void *,
+                  int64_t, int, int) = int8_activations ? pagellm_quant_linear_int8 : pagellm_quant_linear;
     const int64_t elem = dtype == PAGELLM_F32 ? 4 : 2;
     int64_t first = 0;
     for (int i = 0; i < w->count; i++) {
-        const int status = pagellm_quant_linear(x, k, dtype, rows, k, w->data[i], w->type[i], w->rows[i],
-                                                bias != NULL ? bias + first : NULL, (char *)y + first * elem,
-                                                y_stride, dtype, num_threads);
+        const int status = linear(x, k, dtype, rows, k, w->data[i], w->type[i], w->rows[i],
+                                  bias != NULL ? bias + first : NULL, (char *)y + first * elem, y_stride, dtype,
+                                  num_threads);
         if (status != 0) return status;
         first += w->rows[i];
     }
     return 0;
 }
 
-/* As pagellm_decode_layers, for quantized linears: s's work buffers (normed, qkv, attention, act) hold
+/* As pagellm_decode_layers, for quantized linears (with 8-bit input rows, quant_linear_int8.c, where
+ * int8_activations is set): s's work buffers (normed, qkv, attention, act) hold
  * dtype elements, and gate_up is rows x 2 * inter of them more. Returns 0, -1 for a weight the
  * quantized kernel does not read, -2 without memory. */
 int pagellm_decode_layers_quantized(const pagellm_decode_quant_layer *layers, int64_t num_layers,
                                     const pagellm_decode_step *s, void *x, void *residual, void *gate_up,
-                                    int dtype, int num_threads) {
+                                    int dtype, int int8_activations, int num_threads) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t width = q_size + 2 * kv_size, rows = s->rows, elem = dtype == PAGELLM_F32 ? 4 : 2;
     void *normed = s->normed, *qkv = s->qkv, *attention = s->attention, *act = s->act;
@@ -127,7 +130,8 @@ int pagellm_decode_layers_quantized(const pagellm_decode_quant_layer *layers, in
             pagellm_rms_norm(x, residual, residual, w->input_norm, normed, rows, s->hidden, s->eps, dtype,
                              num_threads);
         }
-        int status = quant_matmul(&w->qkv, normed, rows, s->hidden, w->qkv_bias, qkv, width, dtype, num_threads);
+        int status = quant_matmul(&w->qkv, normed, rows, s->hidden, w->qkv_bias, qkv, width, dtype, int8_activations,
+                              num_threads);
         if (status != 0) return status;
         pagellm_rotary(qkv, rows, width, s->heads + s->kv_heads, s->head_dim, s->positions, s->cos, s->sin, dtype,
                        num_threads);
@@ -137,14 +141,16 @@ int pagellm_decode_layers_quantized(const pagellm_decode_quant_layer *layers, in
                                        s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
                                        s->scale, dtype, num_threads, s->attention_scratch, s->cascade,
                                        s->num_cascade);
-        status = quant_matmul(&w->o, attention, rows, q_size, w->o_bias, x, s->hidden, dtype, num_threads);
+        status = quant_matmul(&w->o, attention, rows, q_size, w->o_bias, x, s->hidden, dtype, int8_activations,
+                              num_threads);
         if (status != 0) return status;
         pagellm_rms_norm(x, residual, residual, w->post_norm, normed, rows, s->hidden, s->eps, dtype, num_threads);
         status = quant_matmul(&w->gate_up, normed, rows, s->hidden, w->gate_up_bias, gate_up, 2 * s->inter, dtype,
-                              num_threads);
+                              int8_activations, num_threads);
         if (status != 0) return status;
         pagellm_silu_and_mul(gate_up, act, rows, s->inter, dtype, num_threads);
-        status = quant_matmul(&w->down, act, rows, s->inter, w->down_bias, x, s->hidden, dtype, num_threads);
+        status = quant_matmul(&w->down, act, rows, s->inter, w->down_bias, x, s->hidden, dtype, int8_activations,
+                              num_threads);
         if (status != 0) return status;
     }
     if (s->final_norm != NULL)

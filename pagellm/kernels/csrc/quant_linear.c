@@ -1,27 +1,4 @@
-/* Linear layers on weights kept in llama.cpp's block formats (GGUF's quantized tensors, as stored).
- *
- * A weight of n rows (output features) by k columns (input features) is n rows of bytes, each row
- * k / B blocks of the format's B elements, laid out as ggml's block structs (little-endian, no
- * padding; "half" is an IEEE float16):
- *
- *   type (ggml id)  B    bytes  block                                       element i
- *   Q4_0  (2)       32   18     half d; u8 qs[16]                           d * (nib(i) - 8)
- *   Q4_1  (3)       32   20     half d, m; u8 qs[16]                        d * nib(i) + m
- *   Q5_0  (6)       32   22     half d; u8 qh[4]; u8 qs[16]                 d * (nib(i) | hb(i) << 4) - 16 d
- *   Q5_1  (7)       32   24     half d, m; u8 qh[4]; u8 qs[16]              d * (nib(i) | hb(i) << 4) + m
- *   Q8_0  (8)       32   34     half d; i8 qs[32]                           d * qs[i]
- *   Q4_K  (12)      256  144    half d, dmin; u8 scales[12]; u8 qs[128]     per 32: d*sc * q - dmin*mn
- *   Q5_K  (13)      256  176    half d, dmin; u8 scales[12]; u8 qh[32];     per 32: d*sc * (q | hb << 4)
- *                                u8 qs[128]                                      - dmin*mn
- *   Q6_K  (14)      256  210    u8 ql[128]; u8 qh[64]; i8 scales[16]; half d  per 16: d*sc * (q6 - 32)
- *
- * In the 32-element formats nib(i) is the low nibble of qs[i] for i < 16 and the high nibble of
- * qs[i - 16] above; hb(i) is bit i of qh read as a little-endian uint32. In Q4_K and Q5_K each 64
- * elements read 32 bytes of qs (low nibbles the first 32 elements, high nibbles the next) and two of
- * the eight 6-bit (sc, mn) pairs packed in scales (get_scale_min below); Q5_K's fifth bits come from
- * qh, two bit positions per 64 elements. Q6_K's 128-element halves read 64 bytes of ql (low nibbles
- * elements 0-63, high nibbles 64-127) and 32 of qh (two bits per element, shifted 0, 2, 4, 6 for the
- * four quarters), with one int8 scale per 16 elements.
+/* Linear layers on weights kept in llama.cpp's block formats (quant_blocks.h), with float activations.
  *
  * Every format is read the same way: a run of 16 elements is q * s + mn for small integers q (as
  * floats in a vector), a scale s and an offset mn per run. A row's dot product with an input row x is
@@ -33,43 +10,9 @@
  * pagellm_dequantize and a BLAS matmul instead (pagellm/model/quant_linear.py), where the multiply
  * outweighs unpacking the weight once.
  */
-#include "cpu_kernels.h"
-
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-/* f32x16 and i32x16 come from cpu_kernels.h. */
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
-       GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+#include "quant_blocks.h"
 
 #define QROWS 4 /* input rows that share one pass over the weights */
-
-static inline float half_to_float(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#endif
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 is exact in float32 */
-        const float f = ldexpf((float)mantissa, -24);
-        return sign ? -f : f;
-    }
-    bits = exponent == 31 ? sign | 0x7f800000u | mantissa << 13 : sign | (exponent + 112) << 23 | mantissa << 13;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline u8x16 bytes16(const uint8_t *p) {
-    u8x16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* Sixteen floats as two 8-wide halves: GCC keeps those in registers on AVX2 (a 64-byte vector there went
  * through the stack at every step) and splits them again where vectors are narrower. */
@@ -122,39 +65,6 @@ static inline run16 fifth_bits(uint32_t qh, int first) {
     const i32x8 lo = (i32x8){0} + (int32_t)(qh >> first), hi = (i32x8){0} + (int32_t)(qh >> (first + 8));
     return (run16){__builtin_convertvector(((lo >> shift) & 1) << 4, f32x8),
                    __builtin_convertvector(((hi >> shift) & 1) << 4, f32x8)};
-}
-
-/* Q4_K/Q5_K's j-th (scale, min) pair of 6 bits each from the 12 packed bytes. */
-static inline void get_scale_min(int j, const uint8_t *q, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-static inline int block_elements(int type) {
-    switch (type) {
-    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
-    case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return 256;
-    default: return 0;
-    }
-}
-
-static inline int block_bytes(int type) {
-    switch (type) {
-    case GGML_Q4_0: return 18;
-    case GGML_Q4_1: return 20;
-    case GGML_Q5_0: return 22;
-    case GGML_Q5_1: return 24;
-    case GGML_Q8_0: return 34;
-    case GGML_Q4_K: return 144;
-    case GGML_Q5_K: return 176;
-    case GGML_Q6_K: return 210;
-    default: return 0;
-    }
 }
 
 /* Run u (elements 16u .. 16u + 15) of block b: its integers q as floats, returned, and its scale and
