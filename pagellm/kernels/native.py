@@ -20,6 +20,8 @@ from pagellm.kernels.build import COMPILE_FLAGS, LINK_FLAGS, cache_dir, cpu_flag
 # another revision's kernels).
 SOURCE = build.SOURCE_DIR
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in csrc/cpu_kernels.h
+# The pools' element types: those, and fp8 (--kv-cache-dtype; queries and outputs in the model's dtype).
+POOL_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 @functools.cache
@@ -41,16 +43,19 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_scratch_floats.argtypes = [i64, i64, i64, i64]
     lib.pagellm_paged_decode_attention.restype = None
     lib.pagellm_paged_decode_attention.argtypes = (
-        [ptr, i64, *[ptr] * 5, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr, i64])
+        [ptr, i64, *[ptr] * 5, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, ptr, i64])
     lib.pagellm_prefill_scratch_floats.restype = i64
     lib.pagellm_prefill_scratch_floats.argtypes = [i64, i64, i64]
     lib.pagellm_paged_prefill_attention.restype = ctypes.c_int
     lib.pagellm_paged_prefill_attention.argtypes = (
-        [ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr])
+        [ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr])
     lib.pagellm_bf16_dot_products.restype = ctypes.c_int
     lib.pagellm_bf16_dot_products.argtypes = [ctypes.c_int]
     lib.pagellm_write_kv.restype = None
     lib.pagellm_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.pagellm_write_kv_converted.restype = None
+    lib.pagellm_write_kv_converted.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int,
+                                               ctypes.c_int, ctypes.c_int]
     lib.pagellm_argmax_logsumexp.restype = None
     lib.pagellm_argmax_logsumexp.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int]
     lib.pagellm_rms_norm.restype = None
@@ -111,7 +116,7 @@ def paged_prefill_attention(
     that shape and dtype). Check ``prefill_supported`` first."""
     q_len, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
-    dtype = k_cache.dtype
+    dtype = compute_dtype(q, k_cache)
     q = _query_for(q, k_cache, v_cache, any_token_stride=True)
     if block_table.numel() * block_size < cached + q_len:
         raise ValueError(f"block table of {block_table.numel()} blocks cannot hold {cached + q_len} tokens")
@@ -127,7 +132,7 @@ def paged_prefill_attention(
     status = lib.pagellm_paged_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), out.data_ptr(),
         q_len, cached, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale, DTYPE_CODES[dtype],
-        threads, scratch.data_ptr())
+        POOL_CODES[k_cache.dtype], threads, scratch.data_ptr())
     if status != 0:
         raise ValueError(f"native prefill attention does not take block_size {block_size} / head_dim {head_dim}")
     return out
@@ -151,18 +156,22 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     caller writes with PyTorch."""
     n, num_kv_heads, head_dim = k.shape
     dtype = k_cache.dtype
-    if (k_cache.device.type != "cpu" or dtype not in DTYPE_CODES or load() is None
-            or k.dtype != dtype or v.dtype != dtype or v_cache.dtype != dtype or v.shape != k.shape
+    converted = dtype not in DTYPE_CODES  # fp8 pools: K/V in the model's dtype, rounded as they are stored
+    source_ok = k.dtype in DTYPE_CODES if converted else k.dtype == dtype
+    if (k_cache.device.type != "cpu" or dtype not in POOL_CODES or load() is None
+            or not source_ok or v.dtype != k.dtype or v_cache.dtype != dtype or v.shape != k.shape
             or tuple(k_cache.shape[1:3]) != (num_kv_heads, head_dim)
             or tuple(v_cache.shape) != (k_cache.shape[0], num_kv_heads, k_cache.shape[3], head_dim)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != (n,)
             or any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (k, v))):
         return False
-    if n:
-        _lib().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n,
-                                k_cache.data_ptr(), v_cache.data_ptr(), num_kv_heads, head_dim, k_cache.shape[3],
-                                k.element_size(), torch.get_num_threads())
+    common = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, k_cache.data_ptr(),
+              v_cache.data_ptr(), num_kv_heads, head_dim, k_cache.shape[3])
+    if n and converted:
+        _lib().pagellm_write_kv_converted(*common, DTYPE_CODES[k.dtype], POOL_CODES[dtype], torch.get_num_threads())
+    elif n:
+        _lib().pagellm_write_kv(*common, k.element_size(), torch.get_num_threads())
     return True
 
 
@@ -183,15 +192,23 @@ def argmax_logsumexp(logits: torch.Tensor,
     return idx, lse
 
 
+def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The attention kernels' query and output dtype: the pools', or for fp8 pools the query's
+    (float32 where that is neither float32 nor bfloat16)."""
+    if k_cache.dtype in DTYPE_CODES:
+        return k_cache.dtype
+    return q.dtype if q.dtype in DTYPE_CODES else torch.float32
+
+
 def _query_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, any_token_stride: bool) -> torch.Tensor:
-    """Checks that q (tokens, heads, head_dim) fits the pools, and returns it in the pools' dtype with
+    """Checks that q (tokens, heads, head_dim) fits the pools, and returns it in ``compute_dtype`` with
     its heads contiguous (and its tokens too, unless the kernel takes any stride between tokens)."""
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads, dtype = k_cache.shape[1], k_cache.dtype
+    num_kv_heads, dtype = k_cache.shape[1], compute_dtype(q, k_cache)
     if num_heads % num_kv_heads or k_cache.shape[2] != head_dim:
         raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a pool of {num_kv_heads} KV heads "
                          f"of {k_cache.shape[2]}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == dtype):
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
         raise ValueError("native attention needs contiguous K/V pools of one dtype")
     num_blocks, _, _, block_size = k_cache.shape
     if tuple(v_cache.shape) != (num_blocks, num_kv_heads, block_size, head_dim):
@@ -205,7 +222,7 @@ def _query_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, an
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode attention for a KV cache of this device and dtype can use the native kernel."""
-    return device.type == "cpu" and dtype in DTYPE_CODES and load() is not None
+    return device.type == "cpu" and dtype in POOL_CODES and load() is not None
 
 
 def scratch_for(num_heads: int, head_dim: int, block_size: int, max_blocks: int) -> torch.Tensor:
@@ -253,7 +270,7 @@ def paged_decode_attention(
     The output is the same bits with or without it."""
     num_seqs, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size = k_cache.shape
-    dtype = k_cache.dtype
+    dtype = compute_dtype(q, k_cache)
     q = _query_for(q, k_cache, v_cache, any_token_stride=True)
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"need one block-table row and one length per query: q {tuple(q.shape)}, "
@@ -283,7 +300,8 @@ def paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1], window or 0, scale,
-        DTYPE_CODES[dtype], _threads_for(2 * num_seqs * num_heads * tables.shape[1] * block_size * head_dim),
+        DTYPE_CODES[dtype], POOL_CODES[k_cache.dtype],
+        _threads_for(2 * num_seqs * num_heads * tables.shape[1] * block_size * head_dim),
         scratch.data_ptr(), None if cascade is None else cascade.data_ptr(), 0 if cascade is None else cascade.shape[0])
     return out
 

@@ -18,7 +18,7 @@
 /* Prefetch (into L2) the elements [offset, offset + n) of base; no-op for offset < 0. */
 static inline void prefetch(const void *base, int64_t offset, int64_t n, int dtype) {
     if (offset < 0) return;
-    const int64_t size = dtype == PAGELLM_F32 ? 4 : 2;
+    const int64_t size = element_bytes(dtype);
     const char *p = (const char *)base + offset * size;
     for (int64_t i = 0; i < n * size; i += LINE) __builtin_prefetch(p + i, 0, 1);
 }
@@ -88,25 +88,67 @@ static void score_block(const float *keys, const float *q, int64_t groups, int64
  * each query head's partial outputs held in vector registers across a block's 16 value rows. The
  * sums run in the same order as the generic path (keys: over head_dim; values: over tokens), so both
  * give the same bits; this one skips the round trip of every converted row through memory. Its
- * kernels (score16_bf16, weigh16_bf16) are in cpu_kernels.h. */
+ * kernels (score16_bf16, weigh16_bf16) are in cpu_kernels.h; fp8 pools take the same path, their
+ * rows widened through float16 (score16_e4m3, ...). */
 
 /* Chunks of 4 query heads for the scores; for the outputs 4 at head_dim 64 (16 vectors), 2 at 128. */
-#define SCORE_BF16(n) score16_bf16(keys, q + g * hd, hd, n, scores + g * stride, stride)
-#define WEIGH_BF16(n) weigh16_bf16(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
-#define DEFINE_DECODE_BLOCK_BF16(HD, CHUNK)                                                              \
-    static void score_block_bf16_##HD(const uint16_t *keys, const float *q, int64_t groups, float *scores,  \
-                                      int64_t stride) {                                                  \
+#define DEFINE_DECODE_BLOCK(NAME, TYPE, HD, CHUNK)                                                       \
+    static void score_block_##NAME##_##HD(const TYPE *keys, const float *q, int64_t groups, float *scores, \
+                                          int64_t stride) {                                              \
         const int hd = HD;                                                                               \
-        FOR_HEAD_CHUNKS(groups, 4, SCORE_BF16)                                                           \
+        FOR_HEAD_CHUNKS(groups, 4, SCORE_##NAME)                                                         \
     }                                                                                                    \
-    static void weigh_block_bf16_##HD(const uint16_t *values, int64_t row_stride, const float *p,         \
-                                      int64_t stride, int64_t groups, float *acc) {                      \
+    static void weigh_block_##NAME##_##HD(const TYPE *values, int64_t row_stride, const float *p,        \
+                                          int64_t stride, int64_t groups, float *acc) {                  \
         const int hd = HD;                                                                               \
-        FOR_HEAD_CHUNKS(groups, CHUNK, WEIGH_BF16)                                                       \
+        FOR_HEAD_CHUNKS(groups, CHUNK, WEIGH_##NAME)                                                     \
     }
+#define SCORE_bf16(n) score16_bf16(keys, q + g * hd, hd, n, scores + g * stride, stride)
+#define WEIGH_bf16(n) weigh16_bf16(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
+#define SCORE_e4m3(n) score16_e4m3(keys, q + g * hd, hd, n, scores + g * stride, stride)
+#define WEIGH_e4m3(n) weigh16_e4m3(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
+#define SCORE_e5m2(n) score16_e5m2(keys, q + g * hd, hd, n, scores + g * stride, stride)
+#define WEIGH_e5m2(n) weigh16_e5m2(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
+DEFINE_DECODE_BLOCK(bf16, uint16_t, 64, 4)
+DEFINE_DECODE_BLOCK(bf16, uint16_t, 128, 2)
+DEFINE_DECODE_BLOCK(e4m3, uint8_t, 64, 4)
+DEFINE_DECODE_BLOCK(e4m3, uint8_t, 128, 2)
+DEFINE_DECODE_BLOCK(e5m2, uint8_t, 64, 4)
+DEFINE_DECODE_BLOCK(e5m2, uint8_t, 128, 2)
 
-DEFINE_DECODE_BLOCK_BF16(64, 4)
-DEFINE_DECODE_BLOCK_BF16(128, 2)
+/* One (block, KV head) on the vector path for the pools' type (bfloat16 or fp8) and head_dim (64, 128):
+ * its scores from the keys at element offset `at` of the key pool, or its values' weighted sum. */
+static void score_block_vector(int kv_dtype, int64_t head_dim, const void *pool, int64_t at, const float *q,
+                               int64_t groups, float *scores, int64_t stride) {
+    const uint8_t *bytes = (const uint8_t *)pool + at;
+    if (kv_dtype == PAGELLM_BF16) {
+        const uint16_t *keys = (const uint16_t *)pool + at;
+        if (head_dim == 64) score_block_bf16_64(keys, q, groups, scores, stride);
+        else score_block_bf16_128(keys, q, groups, scores, stride);
+    } else if (kv_dtype == PAGELLM_FP8_E4M3) {
+        if (head_dim == 64) score_block_e4m3_64(bytes, q, groups, scores, stride);
+        else score_block_e4m3_128(bytes, q, groups, scores, stride);
+    } else {
+        if (head_dim == 64) score_block_e5m2_64(bytes, q, groups, scores, stride);
+        else score_block_e5m2_128(bytes, q, groups, scores, stride);
+    }
+}
+
+static void weigh_block_vector(int kv_dtype, int64_t head_dim, const void *pool, int64_t at, const float *p,
+                               int64_t stride, int64_t groups, float *acc) {
+    const uint8_t *bytes = (const uint8_t *)pool + at;
+    if (kv_dtype == PAGELLM_BF16) {
+        const uint16_t *values = (const uint16_t *)pool + at;
+        if (head_dim == 64) weigh_block_bf16_64(values, head_dim, p, stride, groups, acc);
+        else weigh_block_bf16_128(values, head_dim, p, stride, groups, acc);
+    } else if (kv_dtype == PAGELLM_FP8_E4M3) {
+        if (head_dim == 64) weigh_block_e4m3_64(bytes, head_dim, p, stride, groups, acc);
+        else weigh_block_e4m3_128(bytes, head_dim, p, stride, groups, acc);
+    } else {
+        if (head_dim == 64) weigh_block_e5m2_64(bytes, head_dim, p, stride, groups, acc);
+        else weigh_block_e5m2_128(bytes, head_dim, p, stride, groups, acc);
+    }
+}
 
 /* ---- The same shapes with the CPU's bfloat16 dot products (AVX512-BF16, where the compiler targets
  * them): each instruction multiplies 16 pairs of bfloat16 and adds both products to 16 float32 sums,
@@ -321,13 +363,16 @@ int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t bloc
 void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                                     const int64_t *tables, const int64_t *lens, void *out, int64_t num_seqs,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                    int64_t max_blocks, int64_t window, float scale, int dtype, int num_threads,
-                                    float *scratch, const int64_t *cascade, int64_t num_cascade) {
+                                    int64_t max_blocks, int64_t window, float scale, int dtype, int kv_dtype,
+                                    int num_threads, float *scratch, const int64_t *cascade, int64_t num_cascade) {
     const int64_t groups = num_heads / num_kv_heads;       /* query heads per KV head */
     const int64_t head_elems = head_dim * block_size;       /* one KV head of a block */
     const int64_t block_elems = num_kv_heads * head_elems;  /* one block, all KV heads */
     const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
-    const int vector_bf16 = dtype == PAGELLM_BF16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+    const int vector_shape = block_size == 16 && (head_dim == 64 || head_dim == 128);
+    const int vector_bf16 = dtype == PAGELLM_BF16 && kv_dtype == PAGELLM_BF16 && vector_shape;
+    /* the vector path (keys and values widened in registers): bfloat16 pools, and fp8 ones */
+    const int vector = vector_shape && (vector_bf16 || (kv_dtype != PAGELLM_F32 && kv_dtype != PAGELLM_BF16));
     /* A cascade's members keep their score, probability and output rows between the stages: member[s],
      * each sequence's place among the members (-1: none), its shared block count, their rows, the
      * work items of the shared blocks (a run's CASCADE_TILE sequences and one KV head each: first
@@ -443,19 +488,15 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t next = next_block(table, b, nb, block_elems);
                 for (int64_t h = h_lo; h < h_hi; h++) {
-                    prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, dtype);
+                    prefetch(k_pool, next < 0 ? -1 : next + h * head_elems, head_elems, kv_dtype);
                     float *dst = scores + h * groups * span + (b - b0) * block_size;
                     const float *qh = qf + h * groups * head_dim;
-                    if (vector_bf16) {
-                        const uint16_t *kb = (const uint16_t *)k_pool + table[b] * block_elems + h * head_elems;
-                        if (head_dim == 64) {
-                            score_block_bf16_64(kb, qh, groups, dst, span);
-                        } else {
-                            score_block_bf16_128(kb, qh, groups, dst, span);
-                        }
+                    if (vector) {
+                        score_block_vector(kv_dtype, head_dim, k_pool, table[b] * block_elems + h * head_elems, qh,
+                                           groups, dst, span);
                         continue;
                     }
-                    load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, dtype, keys);
+                    load_floats(k_pool, table[b] * block_elems + h * head_elems, head_elems, kv_dtype, keys);
                     if (block_size == 16) {
                         score_block16(keys, qh, groups, head_dim, dst, span);
                     } else {
@@ -467,28 +508,23 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             for (int64_t hq = q_lo; hq < q_hi; hq++) softmax(scores + hq * span, lo, hi, span);
 
             for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) acc[i] = 0.0f;
-            for (int64_t b = b0; b < nb && vector_bf16; b++) {
+            for (int64_t b = b0; b < nb && vector; b++) {
                 const int64_t next = next_block(table, b, nb, block_elems);
                 for (int64_t h = h_lo; h < h_hi; h++) {
-                    prefetch(v_pool, next < 0 ? -1 : next + h * head_elems, head_elems, dtype);
-                    const uint16_t *vb = (const uint16_t *)v_pool + table[b] * block_elems + h * head_elems;
-                    const float *p = scores + h * groups * span + (b - b0) * 16;
-                    float *o = acc + h * groups * head_dim;
-                    if (head_dim == 64) {
-                        weigh_block_bf16_64(vb, head_dim, p, span, groups, o);
-                    } else {
-                        weigh_block_bf16_128(vb, head_dim, p, span, groups, o);
-                    }
+                    prefetch(v_pool, next < 0 ? -1 : next + h * head_elems, head_elems, kv_dtype);
+                    weigh_block_vector(kv_dtype, head_dim, v_pool, table[b] * block_elems + h * head_elems,
+                                       scores + h * groups * span + (b - b0) * 16, span, groups,
+                                       acc + h * groups * head_dim);
                 }
             }
-            for (int64_t b = b0; b < nb && !vector_bf16; b++) {
+            for (int64_t b = b0; b < nb && !vector; b++) {
                 const int64_t next = next_block(table, b, nb, block_elems);
                 for (int64_t h = h_lo; h < h_hi; h++) { /* a head's value rows one after the other */
                     for (int64_t t = 0; t < block_size; t++) {
                         const float *p = scores + (b - b0) * block_size + t; /* head hq's weight: p[hq * span] */
                         const int64_t row = h * head_elems + t * head_dim;
-                        prefetch(v_pool, next < 0 ? -1 : next + row, head_dim, dtype);
-                        load_floats(v_pool, table[b] * block_elems + row, head_dim, dtype, vrow);
+                        prefetch(v_pool, next < 0 ? -1 : next + row, head_dim, kv_dtype);
+                        load_floats(v_pool, table[b] * block_elems + row, head_dim, kv_dtype, vrow);
                         for (int64_t g = h * groups; g < (h + 1) * groups; g++) {
                             const float w = p[g * span];
                             float *o = acc + g * head_dim;

@@ -297,8 +297,8 @@ static void prefill_item_dot(const uint16_t *q, int64_t q_stride, const uint16_t
 int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                                     const int64_t *table, void *out, int64_t q_len, int64_t cached,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                                    float *scratch) {
+                                    int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype,
+                                    int num_threads, float *scratch) {
     if (block_size != 16 || (head_dim != 64 && head_dim != 128)) return -1;
     const int64_t tile = head_dim == 64 ? 4 : 2;
     const int64_t groups = num_heads / num_kv_heads;
@@ -326,7 +326,7 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
             const int64_t i1 = i0 + tokens < q_len ? i0 + tokens : q_len;
             const int64_t rows = (i1 - i0) * groups;
 #if PAGELLM_DOT_PRODUCTS /* the item on the dot products */
-            if (dtype == PAGELLM_BF16 && use_dot_products) {
+            if (dtype == PAGELLM_BF16 && kv_dtype == PAGELLM_BF16 && use_dot_products) {
                 prefill_item_dot(q, q_stride, k_pool, v_pool, table, out, i0, i1, h, cached, num_heads,
                                  num_kv_heads, head_dim, window, scale, padded, (uint32_t *)qf, acc, run_max,
                                  run_sum, chunk);
@@ -347,8 +347,8 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
             prefill_row_spans(rows, padded, groups, cached + i0, window, pos, first);
             for (int64_t b = prefill_first_key(cached + i0, window) / 16; b <= (cached + i1 - 1) / 16; b++) {
                 const int64_t base = table[b] * block_elems;
-                load_floats(k_pool, base + h * head_elems, head_elems, dtype, keys);
-                load_floats(v_pool, base + h * head_elems, head_elems, dtype, values);
+                load_floats(k_pool, base + h * head_elems, head_elems, kv_dtype, keys);
+                load_floats(v_pool, base + h * head_elems, head_elems, kv_dtype, values);
                 for (int64_t r0 = 0; r0 < rows; r0 += tile) {
                     int64_t lo[4], hi[4]; /* attended lanes of this block, per tile row */
                     if (!prefill_tile_lanes(b, tile, pos + r0, first + r0, lo, hi)) continue;

@@ -34,6 +34,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* The instruction-set paths: which ones a build holds is what the compiler targets (-march=native).
  * PAGELLM_DOT_PRODUCTS: AVX512-BF16's bfloat16 dot products (with AVX512BW), used by both attention
@@ -47,7 +50,73 @@
 
 /* ---- Element types and scalar helpers (every instruction set). */
 
-enum { PAGELLM_F32 = 0, PAGELLM_BF16 = 1 }; /* element type of q, out and the pools */
+/* Element types: of q, out and the pools; the fp8 ones only of the pools (--kv-cache-dtype fp8,
+ * fp8_e5m2), whose kernels take the pools' type beside the queries'. */
+enum { PAGELLM_F32 = 0, PAGELLM_BF16 = 1, PAGELLM_FP8_E4M3 = 2, PAGELLM_FP8_E5M2 = 3 };
+
+static inline int64_t element_bytes(int dtype) { return dtype == PAGELLM_F32 ? 4 : dtype == PAGELLM_BF16 ? 2 : 1; }
+
+/* ---- fp8 (the OCP formats PyTorch calls float8_e4m3fn and float8_e5m2). Reading widens through
+ * float16, which holds both exactly: e5m2 is float16's top byte, and e4m3's 4 + 3 bits placed in
+ * float16's exponent and mantissa give the value / 256 (subnormals included). Writing rounds to
+ * nearest even and saturates at the format's largest finite value (448, 57344), as PyTorch's
+ * conversion after a clamp; NaN stays NaN. */
+
+static inline uint16_t fp8_as_half_bits(uint8_t x, int dtype) {
+    return dtype == PAGELLM_FP8_E5M2 ? (uint16_t)(x << 8) : (uint16_t)((x & 0x80u) << 8 | (x & 0x7fu) << 7);
+}
+
+static inline float fp8_to_float(uint8_t x, int dtype) {
+    const uint16_t h = fp8_as_half_bits(x, dtype);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    float f;
+    if (exponent == 0) {
+        f = ldexpf((float)mantissa, -24);
+    } else {
+        const uint32_t bits = exponent == 31 ? 0x7f800000u | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13;
+        memcpy(&f, &bits, sizeof f);
+    }
+    f = sign ? -f : f;
+    return dtype == PAGELLM_FP8_E5M2 ? f : f * 256.0f;
+}
+
+static inline uint8_t float_to_fp8(float f, int dtype) {
+    const int man = dtype == PAGELLM_FP8_E5M2 ? 2 : 3, bias = dtype == PAGELLM_FP8_E5M2 ? 15 : 7;
+    const float largest = dtype == PAGELLM_FP8_E5M2 ? 57344.0f : 448.0f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint8_t sign = (uint8_t)(bits >> 24 & 0x80u);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7f; /* NaN (in both formats) */
+    float a = fabsf(f);
+    if (a > largest) a = largest;
+    const float min_normal = ldexpf(1.0f, 1 - bias);
+    if (a < min_normal) { /* subnormal steps of 2^(1 - bias - man): the count is the code (8 or 4 = min_normal) */
+        return sign | (uint8_t)lrintf(ldexpf(a, bias - 1 + man));
+    }
+    memcpy(&bits, &a, sizeof bits);
+    const int drop = 23 - man; /* mantissa bits rounded away, to nearest even */
+    bits += (1u << (drop - 1)) - 1u + ((bits >> drop) & 1u);
+    const int exponent = (int)(bits >> 23) - 127 + bias;
+    return sign | (uint8_t)(exponent << man | (int)((bits >> drop) & ((1u << man) - 1u)));
+}
+
+/* n fp8 values from src as float32: 16 at a time through F16C's conversion where the CPU has it. */
+static inline void fp8_to_floats(const uint8_t *src, int64_t n, int dtype, float *dst) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256 unit = _mm256_set1_ps(dtype == PAGELLM_FP8_E5M2 ? 1.0f : 256.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m256i h = dtype == PAGELLM_FP8_E5M2
+            ? _mm256_slli_epi16(x, 8)
+            : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit));
+        _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unit));
+    }
+#endif
+    for (; i < n; i++) dst[i] = fp8_to_float(src[i], dtype);
+}
 
 /* Output modes of pagellm_linear_bf16. */
 enum { LINEAR_BF16 = 0, LINEAR_F32 = 1, LINEAR_SILU_GATED = 2 };
@@ -57,6 +126,8 @@ enum { LINEAR_BF16 = 0, LINEAR_F32 = 1, LINEAR_SILU_GATED = 2 };
 static inline void load_floats(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
     if (dtype == PAGELLM_F32) {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    } else if (dtype != PAGELLM_BF16) {
+        fp8_to_floats((const uint8_t *)base + offset, n, dtype, dst);
     } else {
         const uint16_t *src = (const uint16_t *)base + offset;
         uint32_t *bits = (uint32_t *)dst;
@@ -67,6 +138,10 @@ static inline void load_floats(const void *base, int64_t offset, int64_t n, int 
 static inline void store_floats(void *base, int64_t offset, int64_t n, int dtype, const float *src) {
     if (dtype == PAGELLM_F32) {
         memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+        return;
+    }
+    if (dtype != PAGELLM_BF16) {
+        for (int64_t i = 0; i < n; i++) ((uint8_t *)base)[offset + i] = float_to_fp8(src[i], dtype);
         return;
     }
     uint16_t *dst = (uint16_t *)base + offset;
@@ -132,33 +207,62 @@ static inline f32x16 bf16x16(const uint16_t *p) {
     return (f32x16)(__builtin_convertvector(raw, u32x16) << 16);
 }
 
-/* scores[g * stride + t] = sum_d q[g][d] * keys[d][t] for NG query heads over one block of
- * transposed keys ([HD][16], bfloat16). */
-static inline __attribute__((always_inline)) void score16_bf16(const uint16_t *keys, const float *q, int hd,
-                                                               int ng, float *scores, int64_t stride) {
-    f32x16 acc[4] = {{0}};
-    for (int d = 0; d < hd; d++) {
-        const f32x16 row = bf16x16(keys + d * 16);
-        for (int g = 0; g < ng; g++) acc[g] += q[g * hd + d] * row;
-    }
-    for (int g = 0; g < ng; g++) memcpy(scores + g * stride, &acc[g], sizeof acc[g]);
+/* fp8 rows as float32 vectors (the fp8 vector path of decode attention): 16 widened in registers as
+ * they are used, through float16 as fp8_to_floats does. */
+static inline f32x16 fp8x16(const uint8_t *p, int dtype) {
+    f32x16 out;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = dtype == PAGELLM_FP8_E5M2
+        ? _mm256_slli_epi16(x, 8)
+        : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                          _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+    const __m256 unit = _mm256_set1_ps(dtype == PAGELLM_FP8_E5M2 ? 1.0f : 256.0f);
+    const __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit);
+    const __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unit);
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; i++) out[i] = fp8_to_float(p[i], dtype);
+#endif
+    return out;
 }
 
-/* acc[g][:] += sum_t p[g * stride + t] * values[t * row_stride + :] for NG query heads over one block
- * of 16 value rows (bfloat16, HD wide); acc: NG rows of HD floats. */
-static inline __attribute__((always_inline)) void weigh16_bf16(const uint16_t *values, int64_t row_stride,
-                                                               const float *p, int64_t stride, int hd, int ng,
-                                                               float *acc) {
-    f32x16 o[4][8];
-    for (int g = 0; g < ng; g++) memcpy(o[g], acc + g * hd, hd * sizeof(float));
-    for (int t = 0; t < 16; t++) {
-        for (int c = 0; c < hd / 16; c++) {
-            const f32x16 v = bf16x16(values + t * row_stride + c * 16);
-            for (int g = 0; g < ng; g++) o[g][c] += p[g * stride + t] * v;
-        }
+/* Decode attention's vector kernels over one block of 16 tokens, for pools whose rows widen to float32
+ * in registers (LOAD(pointer) -> f32x16): bfloat16, and each fp8 format.
+ *   score16_NAME: scores[g * stride + t] = sum_d q[g][d] * keys[d][t] for NG query heads over one
+ *                 block of transposed keys ([HD][16]);
+ *   weigh16_NAME: acc[g][:] += sum_t p[g * stride + t] * values[t * row_stride + :] for NG query heads
+ *                 over one block of 16 value rows (HD wide); acc: NG rows of HD floats. */
+#define DEFINE_VECTOR_ATTENTION(NAME, TYPE, LOAD)                                                        \
+    static inline __attribute__((always_inline)) void score16_##NAME(const TYPE *keys, const float *q, int hd, \
+                                                                    int ng, float *scores, int64_t stride) { \
+        f32x16 acc[4] = {{0}};                                                                           \
+        for (int d = 0; d < hd; d++) {                                                                   \
+            const f32x16 row = LOAD(keys + d * 16);                                                      \
+            for (int g = 0; g < ng; g++) acc[g] += q[g * hd + d] * row;                                  \
+        }                                                                                                \
+        for (int g = 0; g < ng; g++) memcpy(scores + g * stride, &acc[g], sizeof acc[g]);                \
+    }                                                                                                    \
+    static inline __attribute__((always_inline)) void weigh16_##NAME(const TYPE *values, int64_t row_stride, \
+                                                                    const float *p, int64_t stride, int hd, \
+                                                                    int ng, float *acc) {                \
+        f32x16 o[4][8];                                                                                  \
+        for (int g = 0; g < ng; g++) memcpy(o[g], acc + g * hd, hd * sizeof(float));                    \
+        for (int t = 0; t < 16; t++) {                                                                   \
+            for (int c = 0; c < hd / 16; c++) {                                                          \
+                const f32x16 v = LOAD(values + t * row_stride + c * 16);                                 \
+                for (int g = 0; g < ng; g++) o[g][c] += p[g * stride + t] * v;                           \
+            }                                                                                            \
+        }                                                                                                \
+        for (int g = 0; g < ng; g++) memcpy(acc + g * hd, o[g], hd * sizeof(float));                    \
     }
-    for (int g = 0; g < ng; g++) memcpy(acc + g * hd, o[g], hd * sizeof(float));
-}
+
+#define LOAD_E4M3(p) fp8x16((p), PAGELLM_FP8_E4M3)
+#define LOAD_E5M2(p) fp8x16((p), PAGELLM_FP8_E5M2)
+DEFINE_VECTOR_ATTENTION(bf16, uint16_t, bf16x16)
+DEFINE_VECTOR_ATTENTION(e4m3, uint8_t, LOAD_E4M3)
+DEFINE_VECTOR_ATTENTION(e5m2, uint8_t, LOAD_E5M2)
 
 /* CALL(n) for n (1 to MAX, MAX 2 or 4) with n a constant in each call: the inlined kernel then keeps
  * its n rows' sums in vector registers. */
@@ -263,19 +367,25 @@ int64_t pagellm_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t bloc
 void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                                     const int64_t *tables, const int64_t *lens, void *out, int64_t num_seqs,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                    int64_t max_blocks, int64_t window, float scale, int dtype, int num_threads,
+                                    int64_t max_blocks, int64_t window, float scale, int dtype, int kv_dtype,
+                                    int num_threads,
                                     float *scratch, const int64_t *cascade, int64_t num_cascade);
 /* attention_prefill.c */
 int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
 int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                                     const int64_t *table, void *out, int64_t q_len, int64_t cached,
                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                    int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
+                                    int64_t block_size, int64_t window, float scale, int dtype, int kv_dtype,
+                                    int num_threads,
                                     float *scratch);
 /* cache.c */
 void pagellm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                       int64_t tokens, void *k_pool, void *v_pool, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t elem, int num_threads);
+void pagellm_write_kv_converted(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                                const int64_t *slots, int64_t tokens, void *k_pool, void *v_pool,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, int kv_dtype,
+                                int num_threads);
 /* sampler.c */
 void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, int64_t *argmax, float *lse,
                               int num_threads);

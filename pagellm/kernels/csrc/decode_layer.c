@@ -56,7 +56,7 @@ int pagellm_decode_layers(const pagellm_decode_layer *layers, int64_t num_layers
                          w->v_pool, s->kv_heads, s->head_dim, s->block_size, 2, num_threads);
         pagellm_paged_decode_attention(s->qkv, width, w->k_pool, w->v_pool, s->tables, s->lens, s->attention, rows,
                                        s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
-                                       s->scale, PAGELLM_BF16, num_threads, s->attention_scratch, s->cascade,
+                                       s->scale, PAGELLM_BF16, PAGELLM_BF16, num_threads, s->attention_scratch, s->cascade,
                                        s->num_cascade);
         status = pagellm_linear_bf16(s->attention, q_size, rows, q_size, w->o, s->hidden, w->o_bias, x, LINEAR_BF16,
                                      num_threads);
@@ -139,7 +139,7 @@ int pagellm_decode_layers_quantized(const pagellm_decode_quant_layer *layers, in
                          rows, w->k_pool, w->v_pool, s->kv_heads, s->head_dim, s->block_size, elem, num_threads);
         pagellm_paged_decode_attention(qkv, width, w->k_pool, w->v_pool, s->tables, s->lens, attention, rows,
                                        s->heads, s->kv_heads, s->head_dim, s->block_size, s->max_blocks, s->window,
-                                       s->scale, dtype, num_threads, s->attention_scratch, s->cascade,
+                                       s->scale, dtype, dtype, num_threads, s->attention_scratch, s->cascade,
                                        s->num_cascade);
         status = quant_matmul(&w->o, attention, rows, q_size, w->o_bias, x, s->hidden, dtype, int8_activations,
                               num_threads);

@@ -1,4 +1,6 @@
-"""Paged attention on the native CPU kernels (``pagellm/kernels``), float32 or bfloat16 pools.
+"""Paged attention on the native CPU kernels (``pagellm/kernels``), float32, bfloat16 or fp8 pools (fp8:
+the kernels widen each element as they read it and round what they write; queries and outputs stay
+in the model's dtype).
 
 Decode reads each sequence's own blocks in one pass, with the CPU's bfloat16 dot products where it
 has them (about three times as fast as the PyTorch backend's two ``embedding_bag`` calls): no
@@ -56,7 +58,7 @@ def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     rows = out[span.q_start : span.q_start + span.q_len]  # written in place where the cache has the queries' dtype
     got = native.paged_prefill_attention(q[span.q_start : span.q_start + span.q_len], k_cache, v_cache,
                                          span.block_table, span.context_len - span.q_len, scale, window,
-                                         out=rows if rows.dtype == k_cache.dtype else None)
+                                         out=rows if rows.dtype == native.compute_dtype(q, k_cache) else None)
     if got is not rows:
         rows.copy_(got)
 
@@ -74,7 +76,7 @@ class NativeAttentionBackend(AttentionBackend):
     def unsupported(cls, config: AttentionConfig) -> str | None:
         # (Device and dtype first: asking for the kernels compiles them.)
         if not native.supports(config.device, config.dtype):
-            return (f"needs float32 or bfloat16 pools on the CPU and the native kernels (built on first use; "
+            return (f"needs float32, bfloat16 or fp8 pools on the CPU and the native kernels (built on first use; "
                     f"PAGELLM_NATIVE_KERNELS=0 turns them off), got {config.dtype} on {config.device.type}")
         if config.logit_softcap is not None:
             return "the kernels have no attention logit soft-capping"
@@ -116,7 +118,8 @@ class NativeAttentionBackend(AttentionBackend):
         # first blocks may lie before it.)
         got = native.paged_decode_attention(q[: d.num], k_cache, v_cache, d.tables, d.lens, d.scratch, scale,
                                             resolve_window(window, meta),
-                                            out=rows if rows.dtype == k_cache.dtype else None, cascade=d.cascade)
+                                            out=rows if rows.dtype == native.compute_dtype(q, k_cache) else None,
+                                            cascade=d.cascade)
         if got is not rows:
             rows.copy_(got)
 
