@@ -83,72 +83,7 @@ static void score_block(const float *keys, const float *q, int64_t groups, int64
     }
 }
 
-/* ---- bfloat16 pools, block_size 16, head_dim 64 or 128: the vector path of decode attention.
- * Rows are converted in registers as they are used (a bfloat16 is the top half of a float32), with
- * each query head's partial outputs held in vector registers across a block's 16 value rows. The
- * sums run in the same order as the generic path (keys: over head_dim; values: over tokens), so both
- * give the same bits; this one skips the round trip of every converted row through memory. Its
- * kernels (score16_bf16, weigh16_bf16) are in cpu_kernels.h; fp8 pools take the same path, their
- * rows widened through float16 (score16_e4m3, ...). */
-
-/* Chunks of 4 query heads for the scores; for the outputs 4 at head_dim 64 (16 vectors), 2 at 128. */
-#define DEFINE_DECODE_BLOCK(NAME, TYPE, HD, CHUNK)                                                       \
-    static void score_block_##NAME##_##HD(const TYPE *keys, const float *q, int64_t groups, float *scores, \
-                                          int64_t stride) {                                              \
-        const int hd = HD;                                                                               \
-        FOR_HEAD_CHUNKS(groups, 4, SCORE_##NAME)                                                         \
-    }                                                                                                    \
-    static void weigh_block_##NAME##_##HD(const TYPE *values, int64_t row_stride, const float *p,        \
-                                          int64_t stride, int64_t groups, float *acc) {                  \
-        const int hd = HD;                                                                               \
-        FOR_HEAD_CHUNKS(groups, CHUNK, WEIGH_##NAME)                                                     \
-    }
-#define SCORE_bf16(n) score16_bf16(keys, q + g * hd, hd, n, scores + g * stride, stride)
-#define WEIGH_bf16(n) weigh16_bf16(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
-#define SCORE_e4m3(n) score16_e4m3(keys, q + g * hd, hd, n, scores + g * stride, stride)
-#define WEIGH_e4m3(n) weigh16_e4m3(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
-#define SCORE_e5m2(n) score16_e5m2(keys, q + g * hd, hd, n, scores + g * stride, stride)
-#define WEIGH_e5m2(n) weigh16_e5m2(values, row_stride, p + g * stride, stride, hd, n, acc + g * hd)
-DEFINE_DECODE_BLOCK(bf16, uint16_t, 64, 4)
-DEFINE_DECODE_BLOCK(bf16, uint16_t, 128, 2)
-DEFINE_DECODE_BLOCK(e4m3, uint8_t, 64, 4)
-DEFINE_DECODE_BLOCK(e4m3, uint8_t, 128, 2)
-DEFINE_DECODE_BLOCK(e5m2, uint8_t, 64, 4)
-DEFINE_DECODE_BLOCK(e5m2, uint8_t, 128, 2)
-
-/* One (block, KV head) on the vector path for the pools' type (bfloat16 or fp8) and head_dim (64, 128):
- * its scores from the keys at element offset `at` of the key pool, or its values' weighted sum. */
-static void score_block_vector(int kv_dtype, int64_t head_dim, const void *pool, int64_t at, const float *q,
-                               int64_t groups, float *scores, int64_t stride) {
-    const uint8_t *bytes = (const uint8_t *)pool + at;
-    if (kv_dtype == PAGELLM_BF16) {
-        const uint16_t *keys = (const uint16_t *)pool + at;
-        if (head_dim == 64) score_block_bf16_64(keys, q, groups, scores, stride);
-        else score_block_bf16_128(keys, q, groups, scores, stride);
-    } else if (kv_dtype == PAGELLM_FP8_E4M3) {
-        if (head_dim == 64) score_block_e4m3_64(bytes, q, groups, scores, stride);
-        else score_block_e4m3_128(bytes, q, groups, scores, stride);
-    } else {
-        if (head_dim == 64) score_block_e5m2_64(bytes, q, groups, scores, stride);
-        else score_block_e5m2_128(bytes, q, groups, scores, stride);
-    }
-}
-
-static void weigh_block_vector(int kv_dtype, int64_t head_dim, const void *pool, int64_t at, const float *p,
-                               int64_t stride, int64_t groups, float *acc) {
-    const uint8_t *bytes = (const uint8_t *)pool + at;
-    if (kv_dtype == PAGELLM_BF16) {
-        const uint16_t *values = (const uint16_t *)pool + at;
-        if (head_dim == 64) weigh_block_bf16_64(values, head_dim, p, stride, groups, acc);
-        else weigh_block_bf16_128(values, head_dim, p, stride, groups, acc);
-    } else if (kv_dtype == PAGELLM_FP8_E4M3) {
-        if (head_dim == 64) weigh_block_e4m3_64(bytes, head_dim, p, stride, groups, acc);
-        else weigh_block_e4m3_128(bytes, head_dim, p, stride, groups, acc);
-    } else {
-        if (head_dim == 64) weigh_block_e5m2_64(bytes, head_dim, p, stride, groups, acc);
-        else weigh_block_e5m2_128(bytes, head_dim, p, stride, groups, acc);
-    }
-}
+#include "attention_vector.h"
 
 /* ---- The same shapes with the CPU's bfloat16 dot products (AVX512-BF16, where the compiler targets
  * them): each instruction multiplies 16 pairs of bfloat16 and adds both products to 16 float32 sums,
@@ -371,8 +306,7 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
     const int64_t per_thread = pagellm_scratch_floats(num_heads, head_dim, block_size, max_blocks);
     const int vector_shape = block_size == 16 && (head_dim == 64 || head_dim == 128);
     const int vector_bf16 = dtype == PAGELLM_BF16 && kv_dtype == PAGELLM_BF16 && vector_shape;
-    /* the vector path (keys and values widened in registers): bfloat16 pools, and fp8 ones */
-    const int vector = vector_shape && (vector_bf16 || (kv_dtype != PAGELLM_F32 && kv_dtype != PAGELLM_BF16));
+    const int vector = vector_shape; /* keys and values widened in registers (attention_vector.h) */
     /* A cascade's members keep their score, probability and output rows between the stages: member[s],
      * each sequence's place among the members (-1: none), its shared block count, their rows, the
      * work items of the shared blocks (a run's CASCADE_TILE sequences and one KV head each: first
