@@ -107,9 +107,78 @@ int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, 
             for (int j = 0; j < HD / 16; j++) memcpy(acc + r * HD + j * 16, &o[r][j], sizeof o[r][j]);   \
     }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2: the same tile in 8-wide halves held in named registers (GCC keeps a 64-byte vector that it has
+ * to split in memory, at every step): the scores of two rows at a time, then each row's outputs 64
+ * dimensions at a time; the same sums in the same order, so the same bits. */
+typedef float f32x8 __attribute__((vector_size(32)));
+
+static inline f32x8 load8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void prefill_tile_halves(
+        int hd, int tile_rows, const float *kf, const float *vf, const float *q, float *acc, float *run_max,
+        float *run_sum, const int64_t *lo, const int64_t *hi) {
+    float s[4][16], p[4][16], rescale[4];
+    for (int r = 0; r < tile_rows; r += 2) {
+        f32x8 a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0};
+        const float *q0 = q + r * hd, *q1 = q0 + hd;
+        for (int d = 0; d < hd; d++) {
+            const f32x8 k0 = load8(kf + d * 16), k1 = load8(kf + d * 16 + 8);
+            a0 += q0[d] * k0, b0 += q0[d] * k1, a1 += q1[d] * k0, b1 += q1[d] * k1;
+        }
+        memcpy(s[r], &a0, sizeof a0), memcpy(s[r] + 8, &b0, sizeof b0);
+        memcpy(s[r + 1], &a1, sizeof a1), memcpy(s[r + 1] + 8, &b1, sizeof b1);
+    }
+    for (int r = 0; r < tile_rows; r++) {
+        float m = run_max[r];
+        for (int64_t t = lo[r]; t < hi[r]; t++) m = s[r][t] > m ? s[r][t] : m;
+        rescale[r] = run_max[r] == -INFINITY ? 0.0f : fast_exp(run_max[r] - m);
+        float sum = 0.0f;
+        for (int t = 0; t < 16; t++) {
+            p[r][t] = t >= lo[r] && t < hi[r] ? fast_exp(s[r][t] - m) : 0.0f;
+            sum += p[r][t];
+        }
+        run_max[r] = m;
+        run_sum[r] = run_sum[r] * rescale[r] + sum;
+    }
+    for (int r = 0; r < tile_rows; r++) {
+        for (int c = 0; c < hd; c += 64) {
+            float *o = acc + r * hd + c;
+            const f32x8 scale = {rescale[r], rescale[r], rescale[r], rescale[r], rescale[r], rescale[r], rescale[r],
+                                 rescale[r]};
+            f32x8 o0 = load8(o) * scale, o1 = load8(o + 8) * scale, o2 = load8(o + 16) * scale;
+            f32x8 o3 = load8(o + 24) * scale, o4 = load8(o + 32) * scale, o5 = load8(o + 40) * scale;
+            f32x8 o6 = load8(o + 48) * scale, o7 = load8(o + 56) * scale;
+            for (int t = 0; t < 16; t++) {
+                const float *v = vf + t * hd + c;
+                const float w = p[r][t];
+                o0 += w * load8(v), o1 += w * load8(v + 8), o2 += w * load8(v + 16), o3 += w * load8(v + 24);
+                o4 += w * load8(v + 32), o5 += w * load8(v + 40), o6 += w * load8(v + 48), o7 += w * load8(v + 56);
+            }
+            const f32x8 rows[8] = {o0, o1, o2, o3, o4, o5, o6, o7};
+            memcpy(o, rows, sizeof rows);
+        }
+    }
+}
+
+static void prefill_tile_64(const float *kf, const float *vf, const float *q, float *acc, float *run_max,
+                            float *run_sum, const int64_t *lo, const int64_t *hi) {
+    prefill_tile_halves(64, 4, kf, vf, q, acc, run_max, run_sum, lo, hi);
+}
+
+static void prefill_tile_128(const float *kf, const float *vf, const float *q, float *acc, float *run_max,
+                             float *run_sum, const int64_t *lo, const int64_t *hi) {
+    prefill_tile_halves(128, 2, kf, vf, q, acc, run_max, run_sum, lo, hi);
+}
+#else
 /* Outputs of 4 rows (64) or 2 rows (128) fill 16 of the 32 vector registers. */
 DEFINE_PREFILL_TILE(64, 4)
 DEFINE_PREFILL_TILE(128, 2)
+#endif
 
 #if PAGELLM_DOT_PRODUCTS /* the dot-product path (to the matching #endif) */
 /* The same attention with the bfloat16 dot products (see the decode path), its softmax taken over up to
