@@ -10,6 +10,11 @@
 
 #include "cpu_kernels.h"
 
+/* e4m3 rows come out of the vector loads divided by E4M3_UNIT (their float16 form, one multiply fewer
+ * per element); the kernel multiplies the query scale and the outputs by it instead, which gives the
+ * same bits: scaling by a power of two is exact. */
+#define E4M3_UNIT 256.0f
+
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
 /* AVX2: 16 lanes are two registers, and GCC keeps a 64-byte vector that it has to split in memory
  * (through general registers, at every step). So here the same sums, in the same order, run on 8-wide
@@ -33,8 +38,14 @@ static inline f32x8 load8_fp8(const uint8_t *p, int dtype) {
         ? _mm_slli_epi16(x, 8)
         : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
                        _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7));
-    const __m256 f = _mm256_cvtph_ps(h);
-    return f32x8_of(dtype == PAGELLM_FP8_E5M2 ? f : _mm256_mul_ps(f, _mm256_set1_ps(256.0f)));
+    return f32x8_of(_mm256_cvtph_ps(h)); /* (e4m3: the value / 256, see E4M3_UNIT) */
+}
+/* n fp8 values as the vector loads give them (e4m3: / E4M3_UNIT), n a multiple of 16. */
+static inline void widen_fp8(const uint8_t *p, int64_t n, int dtype, float *dst) {
+    for (int64_t i = 0; i < n; i += 8) {
+        const f32x8 v = load8_fp8(p + i, dtype);
+        memcpy(dst + i, &v, sizeof v);
+    }
 }
 #define LOAD8_f32(p) load8_f32(p)
 #define LOAD8_bf16(p) load8_bf16(p)
@@ -102,13 +113,11 @@ static inline f32x16 fp8x16(const uint8_t *p, int dtype) {
         ? _mm256_slli_epi16(x, 8)
         : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-    const __m256 unit = _mm256_set1_ps(dtype == PAGELLM_FP8_E5M2 ? 1.0f : 256.0f);
-    const __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit);
-    const __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unit);
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     memcpy(&out, &lo, sizeof lo);
     memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
 #else
-    for (int i = 0; i < 16; i++) out[i] = fp8_to_float(p[i], dtype);
+    for (int i = 0; i < 16; i++) out[i] = fp8_to_float(p[i], dtype) / (dtype == PAGELLM_FP8_E4M3 ? E4M3_UNIT : 1.0f);
 #endif
     return out;
 }
@@ -117,6 +126,12 @@ static inline f32x16 f32x16_load(const float *p) {
     f32x16 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+static inline void widen_fp8(const uint8_t *p, int64_t n, int dtype, float *dst) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const f32x16 v = fp8x16(p + i, dtype);
+        memcpy(dst + i, &v, sizeof v);
+    }
 }
 #define LOAD16_f32(p) f32x16_load(p)
 #define LOAD16_bf16(p) bf16x16(p)
@@ -216,7 +231,8 @@ static void weigh_block_vector(int kv_dtype, int64_t head_dim, const void *pool,
     const uint8_t *bytes = (const uint8_t *)pool + at;
     if (kv_dtype != PAGELLM_F32 && groups > 1) { /* several query heads read each row: widen them once */
         float rows[16 * 128];
-        load_floats(pool, at, 16 * head_dim, kv_dtype, rows);
+        if (kv_dtype == PAGELLM_BF16) load_floats(pool, at, 16 * head_dim, kv_dtype, rows);
+        else widen_fp8(bytes, 16 * head_dim, kv_dtype, rows);
         if (head_dim == 64) weigh_block_f32_64(rows, head_dim, p, stride, groups, acc);
         else weigh_block_f32_128(rows, head_dim, p, stride, groups, acc);
     } else if (kv_dtype == PAGELLM_F32) {
