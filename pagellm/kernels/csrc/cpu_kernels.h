@@ -2,8 +2,8 @@
  * vector helpers, grouped per instruction set, and the exported functions' prototypes). One file per
  * op, as vLLM's csrc/cpu/:
  *
- *   attention_decode.c   paged decode attention (its portable, bfloat16-vector and dot-product paths, and
- *                        the cascade over blocks shared by several decodes)
+ *   attention_decode.c   paged decode attention (its portable, vector (attention_vector.h) and
+ *                        dot-product paths, and the cascade over blocks shared by several decodes)
  *   attention_prefill.c  paged prefill attention (flash-style tiles)
  *   cache.c              the writes of new tokens' K/V into the pools
  *   layernorm.c          RMSNorm (with the residual addition)
@@ -19,7 +19,8 @@
  * Pools (one layer), as laid out by pagellm/worker/cache_engine.py:
  *   keys   [num_blocks, num_kv_heads, head_dim, block_size]  (transposed per block)
  *   values [num_blocks, num_kv_heads, block_size, head_dim]
- * Elements are float32 or bfloat16 (raw uint16 bits); all arithmetic is float32.
+ * Elements are float32, bfloat16 (raw uint16 bits) or fp8 (raw bytes, the pools only); all arithmetic is
+ * float32.
  *
  * Built at run time by pagellm/kernels/build.py, every .c file here into one library (cc -O3
  * -march=native -fopenmp); the OpenMP runtime is the one PyTorch already loaded (same soname), so both
