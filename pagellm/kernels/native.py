@@ -53,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_bf16_dot_products.argtypes = [ctypes.c_int]
     lib.pagellm_write_kv.restype = None
     lib.pagellm_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.pagellm_write_kv_converted.restype = None
+    lib.pagellm_write_kv_converted.restype = ctypes.c_int
     lib.pagellm_write_kv_converted.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int,
                                                ctypes.c_int, ctypes.c_int]
     lib.pagellm_argmax_logsumexp.restype = None
@@ -151,12 +151,13 @@ def use_bf16_dot_products(enable: bool) -> bool | None:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """Store each token's K/V (num_tokens, num_kv_heads, head_dim; heads contiguous, any stride between
-    tokens) at its slot of the pools (laid out as ``pagellm.model.attention`` describes). Slots are the engine's (each
-    within the pool). False where the kernel does not apply (another dtype or device, no kernel): the
-    caller writes with PyTorch."""
+    tokens) at its slot of the pools (laid out as ``pagellm.model.attention`` describes; slots within
+    them). False where the kernel does not apply (device, dtype, no kernel): the caller uses PyTorch."""
     n, num_kv_heads, head_dim = k.shape
     dtype = k_cache.dtype
     converted = dtype not in DTYPE_CODES  # fp8 pools: K/V in the model's dtype, rounded as they are stored
+    if converted and k.dtype == v.dtype == torch.float16:
+        k, v = k.float(), v.float()  # (the kernel widens float32 and bfloat16)
     source_ok = k.dtype in DTYPE_CODES if converted else k.dtype == dtype
     if (k_cache.device.type != "cpu" or dtype not in POOL_CODES or load() is None
             or not source_ok or v.dtype != k.dtype or v_cache.dtype != dtype or v.shape != k.shape
@@ -169,7 +170,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     common = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), n, k_cache.data_ptr(),
               v_cache.data_ptr(), num_kv_heads, head_dim, k_cache.shape[3])
     if n and converted:
-        _lib().pagellm_write_kv_converted(*common, DTYPE_CODES[k.dtype], POOL_CODES[dtype], torch.get_num_threads())
+        if _lib().pagellm_write_kv_converted(*common, DTYPE_CODES[k.dtype], POOL_CODES[dtype], torch.get_num_threads()):
+            raise MemoryError(f"native write_kv: no memory for {n} tokens' K/V")
     elif n:
         _lib().pagellm_write_kv(*common, k.element_size(), torch.get_num_threads())
     return True

@@ -5,9 +5,11 @@ How they multiply (``PAGELLM_QUANT_ACTIVATIONS``): with int8 inputs, each input 
 int8 per block of 32 and the products are integer dot products (``quant_linear_int8.c``), as llama.cpp
 and vLLM's GGUF kernels do; with float inputs the weights widen to float32 instead
 (``quant_linear.c``): slower, and the dequantized weight's product to float32 rounding. ``decode``,
-the default, takes int8 inputs in decode-only steps (the one-call decoder, ``native_decode.py``) and
-float inputs for prompt tokens, so that a prompt's first token is the dequantized model's; ``int8``
-and ``float`` take those inputs everywhere. The LM head always takes float inputs.
+the default, takes int8 inputs in decode-only steps run by the one-call decoder (``native_decode.py``:
+Llama-family models with pools in the model's dtype) and float inputs elsewhere, so that a prompt's
+first token is the dequantized model's; ``int8`` takes int8 inputs in every direct kernel call (up to
+``DIRECT_MAX_ROWS`` rows; larger calls dequantize the weight and multiply float inputs), ``float``
+nowhere. The LM head always takes float inputs.
 
 Where they come from:
 

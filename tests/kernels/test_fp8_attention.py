@@ -45,10 +45,10 @@ def test_writes_round_as_pytorch_does_and_saturate(fp8, source):
 
 
 @pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize(("block_size", "d"), [(16, 64), (16, 128), (5, 64)])  # (16: the vector path)
 @pytest.mark.parametrize("window", [None, 7])
-def test_decode_over_fp8_pools_is_the_float32_kernel_on_the_widened_values(fp8, block_size, window):
-    lens, heads, kv_heads, d = [1, 16, 17, 40, 300], 6, 2, 64
+def test_decode_over_fp8_pools_is_the_float32_kernel_on_the_widened_values(fp8, block_size, d, window):
+    lens, heads, kv_heads = [1, 16, 17, 40, 300], 6, 2
     k32, v32, tables, _, _ = _cache_with_history(lens, block_size, kv_heads, d, torch.float32, num_blocks=128)
     k8, v8 = as_fp8(k32, fp8), as_fp8(v32, fp8)
     q = torch.randn(len(lens), heads, d)
@@ -81,3 +81,28 @@ def test_prefill_over_fp8_pools_is_the_float32_kernel_on_the_widened_values(fp8,
     got = native.paged_prefill_attention(q, k8, v8, table, cached, d**-0.5)
     want = native.paged_prefill_attention(q, k8.float(), v8.float(), table, cached, d**-0.5)
     assert torch.equal(got, want)
+
+
+def test_float16_keys_and_values_are_written_as_their_float32_values():
+    k = (torch.randn(5, 2, 64) * 30).to(torch.float16)
+    v = (torch.randn(5, 2, 64) * 30).to(torch.float16)
+    k_cache, v_cache = (torch.zeros(s, dtype=torch.float8_e4m3fn) for s in kv_shapes(2, 16, 2, 64))
+    slots = torch.tensor([3, 17, 4, 30, 0])
+    assert native.write_kv(k, v, k_cache, v_cache, slots)
+    blocks, offsets = slots // 16, slots % 16
+    assert torch.equal(k_cache[blocks, :, :, offsets].view(torch.uint8), as_fp8(k, k_cache.dtype).view(torch.uint8))
+    assert torch.equal(v_cache[blocks, :, offsets, :].view(torch.uint8), as_fp8(v, v_cache.dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_nan_is_stored_as_nan_and_read_back_as_nan(fp8):
+    k = torch.randn(1, 1, 64)
+    k[0, 0, 5] = float("nan")
+    v = -k
+    k_cache, v_cache = (torch.zeros(s, dtype=fp8) for s in kv_shapes(1, 16, 1, 64))
+    assert native.write_kv(k, v, k_cache, v_cache, torch.tensor([0]))
+    assert k_cache[0, 0, 5, 0].float().isnan() and v_cache[0, 0, 0, 5].float().isnan()
+    q = torch.randn(1, 2, 64)
+    scratch = native.scratch_for(2, 64, 16, 1)
+    out = native.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0]]), torch.tensor([1]), scratch, 0.125)
+    assert out.isnan().all()  # as PyTorch's attention over the same values

@@ -111,7 +111,6 @@ int64_t pagellm_prefill_scratch_floats(int64_t num_heads, int64_t num_kv_heads, 
 /* AVX2: the same tile in 8-wide halves held in named registers (GCC keeps a 64-byte vector that it has
  * to split in memory, at every step): the scores of two rows at a time, then each row's outputs 64
  * dimensions at a time; the same sums in the same order, so the same bits. */
-typedef float f32x8 __attribute__((vector_size(32)));
 
 static inline f32x8 load8(const float *p) {
     f32x8 v;

@@ -20,8 +20,6 @@
  * (through general registers, at every step). So here the same sums, in the same order, run on 8-wide
  * halves held in named registers: the scores of up to 4 query heads (two halves each) over head_dim,
  * and a query head's outputs 64 dimensions at a time over the block's 16 tokens. */
-typedef float f32x8 __attribute__((vector_size(32)));
-
 static inline f32x8 f32x8_of(__m256 v) {
     f32x8 out;
     memcpy(&out, &v, sizeof out);
@@ -33,12 +31,7 @@ static inline f32x8 load8_bf16(const uint16_t *p) {
     return f32x8_of(_mm256_castsi256_ps(w));
 }
 static inline f32x8 load8_fp8(const uint8_t *p, int dtype) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i h = dtype == PAGELLM_FP8_E5M2
-        ? _mm_slli_epi16(x, 8)
-        : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
-                       _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7));
-    return f32x8_of(_mm256_cvtph_ps(h)); /* (e4m3: the value / 256, see E4M3_UNIT) */
+    return f32x8_of(_mm256_cvtph_ps(fp8_halves8(p, dtype))); /* (e4m3: the value / E4M3_UNIT) */
 }
 /* n fp8 values as the vector loads give them (e4m3: / E4M3_UNIT), n a multiple of 16. */
 static inline void widen_fp8(const uint8_t *p, int64_t n, int dtype, float *dst) {
@@ -108,12 +101,7 @@ static inline f32x16 bf16x16(const uint16_t *p) {
 static inline f32x16 fp8x16(const uint8_t *p, int dtype) {
     f32x16 out;
 #if defined(__AVX2__) && defined(__F16C__)
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i h = dtype == PAGELLM_FP8_E5M2
-        ? _mm256_slli_epi16(x, 8)
-        : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                          _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    const __m256 lo = _mm256_cvtph_ps(fp8_halves8(p, dtype)), hi = _mm256_cvtph_ps(fp8_halves8(p + 8, dtype));
     memcpy(&out, &lo, sizeof lo);
     memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
 #else

@@ -30,28 +30,30 @@ void pagellm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_
 }
 
 /* pagellm_write_kv with a conversion: K/V rows in dtype (float32 or bfloat16) into pools of kv_dtype
- * (fp8: rounded to nearest even, saturated; cpu_kernels.h). */
-void pagellm_write_kv_converted(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                                const int64_t *slots, int64_t tokens, void *k_pool, void *v_pool,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, int kv_dtype,
-                                int num_threads) {
+ * (fp8: rounded to nearest even, saturated; cpu_kernels.h). Returns 0, or -2 without memory (nothing
+ * written). */
+int pagellm_write_kv_converted(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                               const int64_t *slots, int64_t tokens, void *k_pool, void *v_pool,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, int kv_dtype,
+                               int num_threads) {
     const int64_t row = num_kv_heads * head_dim;
+    float *rows = malloc((size_t)(num_threads * row) * sizeof(float)); /* each thread's row as float32 */
+    if (rows == NULL) return -2;
 #pragma omp parallel num_threads(num_threads) if (tokens >= 8)
     {
-        float *values = malloc((size_t)row * sizeof(float));
-        if (values != NULL) {
+        float *values = rows + omp_get_thread_num() * row;
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < tokens; i++) {
-                const int64_t b = slots[i] / block_size, o = slots[i] % block_size;
-                load_floats(v, i * v_stride, row, dtype, values);
-                for (int64_t h = 0; h < num_kv_heads; h++) /* value row of head h: [b][h][o][:] */
-                    store_floats(v_pool, ((b * num_kv_heads + h) * block_size + o) * head_dim, head_dim, kv_dtype,
-                                 values + h * head_dim);
-                load_floats(k, i * k_stride, row, dtype, values);
-                const int64_t base = b * row * block_size + o; /* key element e: base + e * block_size */
-                for (int64_t e = 0; e < row; e++) store_floats(k_pool, base + e * block_size, 1, kv_dtype, values + e);
-            }
-            free(values);
+        for (int64_t i = 0; i < tokens; i++) {
+            const int64_t b = slots[i] / block_size, o = slots[i] % block_size;
+            load_floats(v, i * v_stride, row, dtype, values);
+            for (int64_t h = 0; h < num_kv_heads; h++) /* value row of head h: [b][h][o][:] */
+                store_floats(v_pool, ((b * num_kv_heads + h) * block_size + o) * head_dim, head_dim, kv_dtype,
+                             values + h * head_dim);
+            load_floats(k, i * k_stride, row, dtype, values);
+            const int64_t base = b * row * block_size + o; /* key element e: base + e * block_size */
+            for (int64_t e = 0; e < row; e++) store_floats(k_pool, base + e * block_size, 1, kv_dtype, values + e);
         }
     }
+    free(rows);
+    return 0;
 }

@@ -64,8 +64,22 @@ static inline int64_t element_bytes(int dtype) { return dtype == PAGELLM_F32 ? 4
  * conversion after a clamp; NaN stays NaN. */
 
 static inline uint16_t fp8_as_half_bits(uint8_t x, int dtype) {
-    return dtype == PAGELLM_FP8_E5M2 ? (uint16_t)(x << 8) : (uint16_t)((x & 0x80u) << 8 | (x & 0x7fu) << 7);
+    if (dtype == PAGELLM_FP8_E5M2) return (uint16_t)(x << 8);
+    if ((x & 0x7fu) == 0x7fu) return (uint16_t)((x & 0x80u) << 8 | 0x7e00u); /* e4m3's only NaN: NaN */
+    return (uint16_t)((x & 0x80u) << 8 | (x & 0x7fu) << 7);
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* 8 fp8 values as float16 bits in registers, as fp8_as_half_bits (e4m3: the value / 256). */
+static inline __m128i fp8_halves8(const uint8_t *p, int dtype) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    if (dtype == PAGELLM_FP8_E5M2) return _mm_slli_epi16(x, 8);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8);
+    const __m128i magnitude = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+    const __m128i nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f));
+    return _mm_or_si128(sign, _mm_blendv_epi8(_mm_slli_epi16(magnitude, 7), _mm_set1_epi16(0x7e00), nan));
+}
+#endif
 
 static inline float fp8_to_float(uint8_t x, int dtype) {
     const uint16_t h = fp8_as_half_bits(x, dtype);
@@ -87,7 +101,7 @@ static inline uint8_t float_to_fp8(float f, int dtype) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
     const uint8_t sign = (uint8_t)(bits >> 24 & 0x80u);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7f; /* NaN (in both formats) */
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return sign | 0x7f; /* NaN (in both formats) */
     float a = fabsf(f);
     if (a > largest) a = largest;
     const float min_normal = ldexpf(1.0f, 1 - bias);
@@ -106,15 +120,7 @@ static inline void fp8_to_floats(const uint8_t *src, int64_t n, int dtype, float
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
     const __m256 unit = _mm256_set1_ps(dtype == PAGELLM_FP8_E5M2 ? 1.0f : 256.0f);
-    for (; i + 16 <= n; i += 16) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
-        const __m256i h = dtype == PAGELLM_FP8_E5M2
-            ? _mm256_slli_epi16(x, 8)
-            : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), unit));
-        _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), unit));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(fp8_halves8(src + i, dtype)), unit));
 #endif
     for (; i < n; i++) dst[i] = fp8_to_float(src[i], dtype);
 }
@@ -193,6 +199,18 @@ static inline float round_bf16(float f) {
 static inline float as_stored(float f, int dtype) { return dtype == PAGELLM_BF16 ? round_bf16(f) : f; }
 
 /* ---- Portable vectors (GCC vector extensions: whatever -march gives, AVX2 or AVX-512 registers). */
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+/* The sum of 8 lanes, in a fixed order. */
+static inline float hsum8(f32x8 v) {
+    typedef float f32x4 __attribute__((vector_size(16)));
+    f32x4 a, b;
+    memcpy(&a, &v, sizeof a);
+    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -315,10 +333,10 @@ int pagellm_paged_prefill_attention(const void *q, int64_t q_stride, const void 
 void pagellm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                       int64_t tokens, void *k_pool, void *v_pool, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t elem, int num_threads);
-void pagellm_write_kv_converted(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                                const int64_t *slots, int64_t tokens, void *k_pool, void *v_pool,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, int kv_dtype,
-                                int num_threads);
+int pagellm_write_kv_converted(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                               const int64_t *slots, int64_t tokens, void *k_pool, void *v_pool,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int dtype, int kv_dtype,
+                               int num_threads);
 /* sampler.c */
 void pagellm_argmax_logsumexp(const float *logits, int64_t rows, int64_t vocab, int64_t *argmax, float *lse,
                               int num_threads);

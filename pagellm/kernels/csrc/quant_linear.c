@@ -16,7 +16,6 @@
 
 /* Sixteen floats as two 8-wide halves: GCC keeps those in registers on AVX2 (a 64-byte vector there went
  * through the stack at every step) and splits them again where vectors are narrower. */
-typedef float f32x8 __attribute__((vector_size(32)));
 typedef struct {
     f32x8 lo, hi;
 } run16;
@@ -120,14 +119,6 @@ static inline __attribute__((always_inline)) run16 run_of(int type, const uint8_
     }
 }
 
-static inline float hsum(f32x8 v) {
-    typedef float f32x4 __attribute__((vector_size(16)));
-    f32x4 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
 
 static inline f32x8 load8(const float *p) {
     f32x8 v;
@@ -160,7 +151,7 @@ static inline __attribute__((always_inline)) void dot_rows(
             }
         }
         for (int r = 0; r < rows; r++)
-            y[r * y_stride + j] = hsum(acc_lo[r] + acc_hi[r]) + offset[r] + (bias != NULL ? bias[j] : 0.0f);
+            y[r * y_stride + j] = hsum8(acc_lo[r] + acc_hi[r]) + offset[r] + (bias != NULL ? bias[j] : 0.0f);
     }
 }
 
@@ -189,7 +180,7 @@ int pagellm_quant_linear(const void *x_in, int64_t x_stride, int x_dtype, int64_
     for (int64_t r = 0; r < m; r++) {
         load_floats(x_in, r * x_stride, k, x_dtype, x + r * k);
         for (int64_t u = 0; u < runs; u++)
-            xsum[r * runs + u] = hsum(load8(x + r * k + 16 * u) + load8(x + r * k + 16 * u + 8));
+            xsum[r * runs + u] = hsum8(load8(x + r * k + 16 * u) + load8(x + r * k + 16 * u + 8));
     }
     x_stride = k;
     float *y = y_dtype == PAGELLM_F32 ? (float *)y_out : NULL;

@@ -25,7 +25,6 @@
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef float f32x8 __attribute__((vector_size(32)));
 
 /* One chunk of 32 weights: the integers (bytes, signed or not by the type: is_signed), the scale of
  * each int32 lane of the dot product (4 elements a lane) and the chunk's offset. */
@@ -166,14 +165,6 @@ static inline __attribute__((always_inline)) i32x8 dot_chunk(int type, u8x32 q, 
 #endif
 }
 
-static inline float hsum8(f32x8 v) {
-    typedef float f32x4 __attribute__((vector_size(16)));
-    f32x4 a, b;
-    memcpy(&a, &v, sizeof a);
-    memcpy(&b, (const char *)&v + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
 
 /* The input rows, quantized: xq [m, k] int8, dx [m, k / 32] and xs [m, k / 32] (dx * sum(xq) per 32). */
 typedef struct {
@@ -187,7 +178,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, float
         int8_t *qc = xq + 32 * c;
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i]));
-        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* (a block below 1e-30 counts as zeros: 127 / amax would overflow near the smallest floats) */
+        const float inv = amax >= 1e-30f ? 127.0f / amax : 0.0f, d = inv > 0.0f ? amax / 127.0f : 0.0f;
         int32_t sum = 0;
 #if defined(__AVX2__)
         /* the conversion rounds as lrintf does (to nearest even, the default rounding mode) */
