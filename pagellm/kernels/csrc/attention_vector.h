@@ -127,7 +127,7 @@ static inline void widen_fp8(const uint8_t *p, int64_t n, int dtype, float *dst)
 #define LOAD16_e5m2(p) fp8x16((p), PAGELLM_FP8_E5M2)
 
 /* Decode attention's vector kernels over one block of 16 tokens, for pools whose rows widen to float32
- * in registers (LOAD(pointer) -> f32x16): bfloat16, and each fp8 format.
+ * in registers (LOAD16_NAME(pointer) -> f32x16): float32, bfloat16 and each fp8 format.
  *   score16_NAME: scores[g * stride + t] = sum_d q[g][d] * keys[d][t] for NG query heads over one
  *                 block of transposed keys ([HD][16]);
  *   weigh16_NAME: acc[g][:] += sum_t p[g * stride + t] * values[t * row_stride + :] for NG query heads
