@@ -417,7 +417,7 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
             }
 #endif
             load_floats(q, q_offset, q_elems, dtype, qf + q_lo * head_dim);
-            /* (the vector path's e4m3 rows are the values / E4M3_UNIT: attention_vector.h) */
+            /* (the vector path's e4m3 key rows are the values / E4M3_UNIT: attention_vector.h) */
             const float unit = vector && kv_dtype == PAGELLM_FP8_E4M3 ? E4M3_UNIT : 1.0f;
             for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) qf[i] *= scale * unit;
 
@@ -469,8 +469,6 @@ void pagellm_paged_decode_attention(const void *q, int64_t q_stride, const void 
                     }
                 }
             }
-            if (unit != 1.0f)
-                for (int64_t i = q_lo * head_dim; i < q_hi * head_dim; i++) acc[i] *= unit;
             store_floats(out, out_offset, q_elems, dtype, acc + q_lo * head_dim);
         }
 #if PAGELLM_DOT_PRODUCTS /* cascade: then the shared blocks' values */
