@@ -1,5 +1,5 @@
 """Linear layers whose weights stay in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_linear.c`` documents the formats).
+Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_blocks.h`` documents the formats).
 
 How they multiply (``PAGELLM_QUANT_ACTIVATIONS``): with int8 inputs, each input row is rounded to
 int8 per block of 32 and the products are integer dot products (``quant_linear_int8.c``), as llama.cpp
@@ -97,6 +97,8 @@ class QuantLinear(nn.Module):
         self.in_features = cols.pop()
         self.out_features = sum(s.shape[0] for s in segments)
         self.inputs = activation_mode() if inputs is None else inputs
+        if self.inputs not in ACTIVATION_MODES:
+            raise ValueError(f"inputs must be one of {', '.join(ACTIVATION_MODES)}, got {self.inputs!r}")
         # This layer's own forward (prompt tokens, mixed steps, models without the one-call decoder).
         self.int8_activations = self.inputs == "int8"
         for s in segments:

@@ -62,6 +62,8 @@ def test_the_input_mode_comes_from_the_environment_and_a_wrong_one_is_named(monk
     monkeypatch.setenv(ACTIVATIONS_ENV, "fp8")
     with pytest.raises(ValueError, match="PAGELLM_QUANT_ACTIVATIONS='fp8' is not one of decode, int8, float"):
         QuantLinear(segments, None)
+    with pytest.raises(ValueError, match="inputs must be one of decode, int8, float, got 'int4'"):
+        QuantLinear(segments, None, "int4")
 
 
 def test_int8_keeps_one_scale_per_output_channel_and_rounds_to_it():
