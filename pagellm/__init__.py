@@ -9,6 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pagellm.kernels.cpu_features import configure_torch_dispatch
+
+# Before torch's oneDNN and ATen read their instruction-set caps: PAGELLM_HIDE_CPU_FEATURES hides
+# features from them as from pagellm's own kernels.
+configure_torch_dispatch()
+
 __version__ = "0.1.0"
 
 # public name -> the module that defines it

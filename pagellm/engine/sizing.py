@@ -8,10 +8,8 @@ sizes come from the checkpoint's headers (safetensors) or tensor table (GGUF).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -124,63 +122,12 @@ def safetensors_tensors(files: list[Path]) -> list[WeightTensor]:
     return tensors
 
 
-# GGUF metadata value types -> struct codes of their fixed sizes (8 string, 9 array: read apart).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
 def gguf_tensors(path: Path) -> list[WeightTensor]:
     """The tensors of a GGUF file, from its header's tensor table: the metadata before it (a tokenizer's
     vocabulary among it) is skipped, not decoded, and no tensor data is read."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from pagellm.model.gguf_header import read_header
 
-    with path.open("rb") as f, contextlib.ExitStack() as stack:
-        try:
-            buf: Any = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            if buf[:4] != b"GGUF":
-                raise ValueError("no GGUF magic")
-            order = "<" if struct.unpack_from("<I", buf, 4)[0] < 2**16 else ">"
-            pos = 8
-
-            def read(code: str) -> Any:
-                nonlocal pos
-                (value,) = struct.unpack_from(order + code, buf, pos)
-                pos += struct.calcsize(code)
-                return value
-
-            def skip_value(kind: int) -> None:
-                nonlocal pos
-                if kind == 8:
-                    length = read("Q")
-                    pos += length
-                elif kind == 9:
-                    item, count = read("I"), read("Q")
-                    if item in _GGUF_SCALARS:
-                        pos += count * struct.calcsize(_GGUF_SCALARS[item])
-                    else:
-                        for _ in range(count):
-                            skip_value(item)
-                elif kind in _GGUF_SCALARS:
-                    pos += struct.calcsize(_GGUF_SCALARS[kind])
-                else:
-                    raise ValueError(f"unknown GGUF metadata type {kind}")
-
-            num_tensors, num_fields = read("Q"), read("Q")
-            for _ in range(num_fields):
-                key_length = read("Q")
-                pos += key_length
-                skip_value(read("I"))
-            tensors = []
-            for _ in range(num_tensors):
-                name_length = read("Q")
-                name = bytes(buf[pos:pos + name_length]).decode()
-                pos += name_length
-                numel = math.prod(read("Q") for _ in range(read("I")))
-                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(read("I"))]
-                read("Q")  # the data offset
-                tensors.append(WeightTensor(name, numel, numel // block * block_bytes))
-            return tensors
-        except (struct.error, KeyError, ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read the tensor table of the GGUF file {path}: {e} (is it truncated?)") from e
+    return [WeightTensor(t.name, t.numel, t.num_bytes) for t in read_header(path).tensors]
 
 
 # Tensors every rank holds whole: embeddings, the LM head, norms and MoE routers (counted whole on

@@ -1,7 +1,8 @@
 """Build and load the C kernels in ``csrc/`` (``native.py`` declares their functions and calls them).
 
 The kernels are compiled on first use with the system C compiler (``$CC``, else ``cc``) for this
-machine (``-march=native``): each C file to an object, all at once in parallel, then linked into one
+machine (``-march=native``, less the features hidden by ``PAGELLM_HIDE_CPU_FEATURES``: cpu_features.py):
+each C file to an object, all at once in parallel, then linked into one
 library, cached under ``$PAGELLM_CACHE_DIR`` (default ``~/.cache/pagellm``) and keyed by the sources
 and headers, the flags, the compiler and the CPU (editing any file rebuilds), then loaded with
 ``ctypes``: no build step at install time and no CUDA toolchain. OpenMP threads come from the runtime
@@ -13,7 +14,6 @@ and callers use their PyTorch path.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -24,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from pagellm.kernels.cpu_features import cpu_flags, gcc_flags  # noqa: F401 (cpu_flags re-exported)
 
 # The messages keep the logger they had when this module was part of native.py.
 logger = logging.getLogger("pagellm.kernels.native")
@@ -38,23 +40,16 @@ LINK_FLAGS = ["-lm"]
 BUILD_TIMEOUT_S = 300
 
 
+def compile_flags() -> list[str]:
+    """COMPILE_FLAGS, and the switches that keep the kernels off the features hidden by
+    ``PAGELLM_HIDE_CPU_FEATURES`` (cpu_features.py)."""
+    return COMPILE_FLAGS + gcc_flags()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
     return Path(root) / "kernels"
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def _cpu_signature() -> str:
@@ -86,7 +81,8 @@ def cache_key(source: Path, cc: str) -> str:
     the compiler and the CPU."""
     files = sorted(p for p in source.iterdir() if p.suffix in (".c", ".h")) if source.is_dir() else [source]
     parts = [part for p in files for part in (p.name.encode(), p.read_bytes())]
-    parts += [" ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(cc).encode(), _cpu_signature().encode()]
+    parts += [" ".join(compile_flags() + LINK_FLAGS).encode(), _compiler_version(cc).encode(),
+              _cpu_signature().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -100,13 +96,14 @@ def build(cc: str, source: Path, target: Path) -> str | None:
         os.close(fd)
         workdir = tempfile.mkdtemp(prefix=".build-", dir=target.parent)
         deadline = time.monotonic() + BUILD_TIMEOUT_S
+        flags = compile_flags()
         files = sources(source)
         objects = [os.path.join(workdir, f"{i}-{f.stem}.o") for i, f in enumerate(files)]
         compiles: list[subprocess.Popen] = []
         errors = []
         try:
             for f, o in zip(files, objects):
-                compiles.append(subprocess.Popen([cc, *COMPILE_FLAGS, "-c", str(f), "-o", o], stdout=subprocess.DEVNULL,
+                compiles.append(subprocess.Popen([cc, *flags, "-c", str(f), "-o", o], stdout=subprocess.DEVNULL,
                                                  stderr=subprocess.PIPE, text=True))
             for f, proc in zip(files, compiles):
                 _, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
@@ -119,7 +116,7 @@ def build(cc: str, source: Path, target: Path) -> str | None:
                     proc.wait()
         if errors:
             return "\n".join(errors)[-2000:]
-        link = subprocess.run([cc, *COMPILE_FLAGS, *objects, "-o", tmp, *LINK_FLAGS], capture_output=True, text=True,
+        link = subprocess.run([cc, *flags, *objects, "-o", tmp, *LINK_FLAGS], capture_output=True, text=True,
                               timeout=max(deadline - time.monotonic(), 1))
         if link.returncode != 0:
             return link.stderr.strip()[-2000:] or f"{cc} exited with {link.returncode}"
@@ -148,6 +145,9 @@ def load_library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes
     if cc is None:
         logger.warning("no C compiler found (set CC): attention and sampling use the slower PyTorch path")
         return None
+    if gcc_flags():
+        logger.info("compiling the native kernels without the CPU features hidden by PAGELLM_HIDE_CPU_FEATURES: %s",
+                    " ".join(gcc_flags()))
     path = cache_dir() / f"{LIBRARY_STEM}-{cache_key(source, cc)}.so"
     error = None
     for attempt in range(2):  # a cached library that no longer loads (another glibc?) is rebuilt once
@@ -168,5 +168,5 @@ def load_library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes
         logger.info("native kernels loaded from %s", path)
         return lib
     logger.warning("native kernels could not be built (%s %s); attention and sampling use the slower "
-                   "PyTorch path:\n%s", cc, " ".join(COMPILE_FLAGS), error)
+                   "PyTorch path:\n%s", cc, " ".join(compile_flags()), error)
     return None

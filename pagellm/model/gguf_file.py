@@ -1,12 +1,16 @@
 """GGUF files (llama.cpp's single-file format): config, tokenizer and weights.
 
-The file is read with the ``gguf`` package (llama.cpp's own reader and dequantizers), and its
+The file's header is read by ``gguf_header.py`` (checked field by field), its tensors are turned into
+floats by the ``gguf`` package's dequantizers (llama.cpp's own), and its
 metadata is turned into a Hugging Face config and tokenizer by transformers' GGUF support, the same
 code ``from_pretrained(folder, gguf_file=...)`` runs. Turning 50k-token vocabularies into a
 tokenizer takes seconds, so the result (config.json, tokenizer files with the chat template,
 generation_config.json with every end-of-generation id) is written once per file into
 ``$PAGELLM_CACHE_DIR/gguf/`` and the rest of the engine reads that folder as it reads any
-Hugging Face folder; only the weights come from the GGUF file itself.
+Hugging Face folder; only the weights come from the GGUF file itself. The folder also keeps the
+map from the file's tensor names to the model's (``weights_map.json``), which transformers builds
+by walking the whole model, so a warm start reads the weights straight from the file's tensor table
+(``gguf_header.py``) without decoding its metadata again.
 
 Weights go through transformers' name map and per-architecture fixes (llama.cpp permutes Llama's
 q/k rows for its rotary layout and stores Gemma's norms as 1 + w; both are undone there). Linear
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pagellm.model.gguf_header import GGUFHeader, TensorInfo, read_header, tensor_view
 from pagellm.model.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -58,7 +63,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 STATED_SIZES = {"attention.key_length": "head_dim", "expert_count": "num_local_experts",
                 "expert_used_count": "num_experts_per_tok", "expert_feed_forward_length": "moe_intermediate_size"}
 # Bumped when what the prepared folder holds changes: older folders are then rebuilt.
-PREPARED_FORMAT = 1
+PREPARED_FORMAT = 2
+WEIGHTS_MAP_FILE = "weights_map.json"
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -81,8 +87,9 @@ def prepared_folder(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARED_FORMAT}".encode())
     target = _cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:16]}"
-    if (target / "config.json").is_file():
+    if (target / "config.json").is_file() and (target / WEIGHTS_MAP_FILE).is_file():
         return target
+    read_header(gguf_path)  # a malformed file fails here, with what is wrong, before any other reader sees it
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("reading the config and tokenizer of %s (first use of this file; kept in %s)", gguf_path.name, target)
     # Built beside the target and renamed: a crash or a concurrent start never leaves half a folder.
@@ -97,62 +104,83 @@ def prepared_folder(gguf_path: Path) -> Path:
 
 
 def _write_prepared(gguf_path: Path, out: Path) -> None:
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    try:
-        reader = GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as e:
-        raise ValueError(f"cannot read the GGUF file {gguf_path}: {e} (is it truncated?)") from e
-    arch = _field(reader, "general.architecture")
+    keys = ("general.architecture", *END_OF_GENERATION_KEYS)
+    header = read_header(gguf_path, keys + tuple(f"{arch}.{key}" for arch in SUPPORTED_ARCHITECTURES
+                                                 for key in STATED_SIZES))
+    arch = header.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; pagellm runs GGUF "
                          f"files of: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    check_tensor_types(reader, gguf_path)
+    check_tensor_types(header, gguf_path)
     try:
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:  # transformers' GGUF reader raises many types on fields it cannot use
         raise ValueError(f"cannot read the model settings of {gguf_path}: {e}") from e
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     # Sizes the file states but transformers' GGUF reader leaves at the config class's defaults.
     for key, attribute in STATED_SIZES.items():
-        value = _field(reader, f"{arch}.{key}")
+        value = header.fields.get(f"{arch}.{key}")
         if value is not None and hasattr(config, attribute):
             setattr(config, attribute, int(value))
     # Quantized weights carry no compute dtype: --dtype auto takes bfloat16 where the CPU computes it
     # natively, else float32 (loader.resolve_dtype).
     config.dtype = "bfloat16"
     config.save_pretrained(str(out))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # as above
+        raise ValueError(f"cannot read the tokenizer of {gguf_path}: {e}") from e
     tokenizer.save_pretrained(str(out))
-    stops = sorted({int(v) for key in END_OF_GENERATION_KEYS if (v := _field(reader, key)) is not None})
+    stops = sorted({int(v) for key in END_OF_GENERATION_KEYS if isinstance(v := header.fields.get(key), int)})
     generation = {"eos_token_id": stops} if stops else {}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    weights_map = {"architecture": arch, "names": _weights_map(config, arch)}
+    (out / WEIGHTS_MAP_FILE).write_text(json.dumps(weights_map, indent=1) + "\n")
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+def _processor(arch: str, config: Any) -> Any:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
-def check_tensor_types(reader: Any, gguf_path: Path) -> None:
+def _weights_map(config: Any, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> the model's weight name, as transformers maps them (it walks every module
+    of the model, building gguf's name table for each: seconds, hence kept in the prepared folder)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):  # only its parameter names are read: no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return dict(get_gguf_hf_weights_map(skeleton, _processor(arch, config)))
+
+
+def _type_name(kind: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(kind).name
+
+
+def check_tensor_types(header: GGUFHeader, gguf_path: Path) -> None:
     """ValueError naming the tensors whose types the dequantizers do not take, and the ones they do."""
-    bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors
-           if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES]
+    bad = [f"{t.name} ({_type_name(t.type)})" for t in header.tensors
+           if _type_name(t.type) not in SUPPORTED_TENSOR_TYPES]
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise ValueError(f"{gguf_path.name} has tensors of types pagellm cannot load: {', '.join(bad[:3])}{more}; "
                          f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
 
 
-def _keeps_blocks(hf_name: str | None, tensor: Any) -> bool:
+def _keeps_blocks(hf_name: str | None, tensor: TensorInfo) -> bool:
     """Whether this GGUF tensor can stay in its blocks: a linear layer's 2-D weight (the embedding
     too, for a tied LM head) in a type the kernels read."""
     from pagellm.model.quant_linear import kernels_read
 
     return (hf_name is not None and hf_name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-            and len(tensor.data.shape) == 2 and kernels_read(int(tensor.tensor_type), int(tensor.shape[0])))
+            and len(tensor.dims) == 2 and kernels_read(tensor.type, tensor.dims[0]))
 
 
 def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype, keep_quantized: bool = False
@@ -161,41 +189,34 @@ def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype, keep_quant
     at a time; with ``keep_quantized``, linear layers' tensors the kernels read come as
     ``QuantizedWeight`` instead."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
 
-    reader = GGUFReader(str(gguf_path))
-    check_tensor_types(reader, gguf_path)
-    arch = _field(reader, "general.architecture")
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    with torch.device("meta"):  # only its parameter names are read: no memory
-        skeleton = AutoModelForCausalLM.from_config(config)
-    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    header = read_header(gguf_path)
+    check_tensor_types(header, gguf_path)
+    prepared = json.loads((prepared_folder(gguf_path) / WEIGHTS_MAP_FILE).read_text())
+    name_map: dict[str, str] = prepared["names"]
+    processor = _processor(prepared["architecture"], config)
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     # Processors of MoE files put the experts straight into parsed["tensors"], gate and up of a layer
     # filling halves of one tensor from two GGUF tensors: each is handed on once its last part is in.
     parsed: dict[str, Any] = {"config": config.to_dict(), "tensors": {}}
-    targets = [name_map.get(t.name) or name_map.get(t.name.rsplit(".", 1)[0]) for t in reader.tensors]
+    targets = [name_map.get(t.name) or name_map.get(t.name.rsplit(".", 1)[0]) for t in header.tensors]
     parts_left = Counter(targets)
-    for tensor, target in tqdm(list(zip(reader.tensors, targets)), desc="Loading GGUF weights", unit="tensor",
+    for tensor, target in tqdm(list(zip(header.tensors, targets)), desc="Loading GGUF weights", unit="tensor",
                                dynamic_ncols=True, disable=gguf_path.stat().st_size < 256 * 2**20):
+        view = tensor_view(header, data, tensor)
         if keep_quantized and _keeps_blocks(target, tensor):
-            raw = np.asarray(tensor.data)
+            raw = np.asarray(view)
             # The processors only reorder rows (Llama's q/k), which moves whole rows of blocks alike.
             result = processor.process(weights=raw, name=tensor.name, tensor_key_mapping=name_map,
                                        parsed_parameters=parsed)
             if result.name in name_map and result.weights.shape == raw.shape:
                 yield name_map[result.name], QuantizedWeight(
-                    torch.from_numpy(np.array(result.weights, copy=True)), int(tensor.tensor_type),
-                    (raw.shape[0], int(tensor.shape[0])))
+                    torch.from_numpy(np.array(result.weights, copy=True)), tensor.type, (raw.shape[0], tensor.dims[0]))
                 parts_left[target] -= 1
                 continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = dequantize(view, GGMLQuantizationType(tensor.type))
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                    parsed_parameters=parsed)
         if result.name in name_map:

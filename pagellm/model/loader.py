@@ -7,8 +7,8 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +48,12 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-@lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), unless hidden
+    (PAGELLM_HIDE_CPU_FEATURES)."""
+    from pagellm.kernels.cpu_features import cpu_flags
+
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 @dataclass(frozen=True)
@@ -212,6 +210,26 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
                          "; leave --quantization unset")
 
 
+# The initialisers nn.Linear and nn.Embedding draw their starting weights with.
+_RANDOM_INITS = ("kaiming_uniform_", "kaiming_normal_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_",
+                 "xavier_normal_")
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Build a model without drawing random starting weights: every parameter is then loaded from the
+    checkpoint (load_weights refuses a checkpoint that misses one) or drawn by ``load_format="dummy"``,
+    and drawing them took seconds of every start."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in _RANDOM_INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
+
+
 def load_model(
     files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int,
     tensor_parallel: tuple[int, int] | None = None, quantization: str | None = None,
@@ -224,7 +242,7 @@ def load_model(
     check_quantization(quantization, device)
     keep_blocks = load_format != "dummy" and keeps_gguf_blocks(files, quantization, device, tensor_parallel)
     cls = model_class_for(getattr(config, "architectures", None))
-    with torch.device(device):
+    with torch.device(device), _no_random_init():
         model = cls(config, max_position=max_position)
     # Parameters only: the rotary tables (buffers) stay float32 and are cast per use.
     for p in model.parameters():

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagellm.worker.cpu_tuning import zeros_on_huge_pages
+from pagellm.worker.cpu_tuning import empty_mapping, zeros_on_huge_pages
 
 # --kv-cache-dtype: vLLM's names; "fp8" is e4m3 (more precision, range to 448), as on vLLM's GPUs.
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -63,7 +63,8 @@ class CacheEngine:
         cpu_sizes = list(group_cpu_blocks) if group_cpu_blocks is not None else [num_cpu_blocks]
         # Zeroed, not empty: padded decode positions read unused slots, and NaN garbage
         # there would leak through the masked softmax (0 * NaN = NaN).
-        # On CPU, on huge pages: attention reads the blocks of a pool in random order.
+        # On CPU, on huge pages (attention reads the blocks of a pool in random order), zeroed by the
+        # kernel as each page is first touched: start-up touches none of the pool.
         if device.type == "cpu":
             def zeros(shape: tuple[int, ...]) -> torch.Tensor:
                 return zeros_on_huge_pages(shape, dtype)
@@ -73,14 +74,16 @@ class CacheEngine:
         shapes = [kv_shapes(n, block_size, num_kv_heads, head_dim) for n in sizes]
         self.kv_caches = [(zeros(shapes[g][0]), zeros(shapes[g][1])) for g in groups]
         # The swap pool in host memory. Left uninitialised: a block is only read after a swap-out
-        # wrote it. Pinned on CUDA so that copies can overlap compute.
-        pin = device.type == "cuda"
+        # wrote it. On CPU in fresh mappings, so that its pages are only taken when a swap-out first
+        # writes them; pinned on CUDA so that copies can overlap compute.
+        def swap_pool(shape: tuple[int, ...]) -> torch.Tensor:
+            if device.type == "cuda":
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            return empty_mapping(shape, dtype)
+
         cpu_shapes = [kv_shapes(n, block_size, num_kv_heads, head_dim) for n in cpu_sizes]
-        self.cpu_caches = [
-            (torch.empty(cpu_shapes[g][0], dtype=dtype, pin_memory=pin),
-             torch.empty(cpu_shapes[g][1], dtype=dtype, pin_memory=pin))
-            for g in groups
-        ] if any(cpu_sizes) else []
+        self.cpu_caches = [(swap_pool(cpu_shapes[g][0]), swap_pool(cpu_shapes[g][1])) for g in groups] \
+            if any(cpu_sizes) else []
         # Each group's layers' pools (with one group, the lists above themselves).
         if len(sizes) == 1:
             self.group_kv_caches, self.group_cpu_caches = [self.kv_caches], [self.cpu_caches]

@@ -54,19 +54,34 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     Decode attention reads the KV pools in 16 KiB blocks scattered over hundreds of MiB: with 4 KiB
     pages nearly every block costs TLB misses, with 2 MiB pages few do. A fresh mapping (not heap
     memory that may already sit on small pages) with ``MADV_HUGEPAGE`` gets huge pages as it is first
-    written; it is written (zeroed) here, so that those page faults happen at start-up and not under
-    the first requests. Where that is not
-    available (not Linux, THP off, small tensors) the tensor is the same, on small pages.
+    written. The kernel hands out an anonymous mapping's pages zeroed on first touch, so the tensor is
+    not written here: a pool costs no time and no resident memory at start-up, only as its blocks are
+    first used. Where that is not available (not Linux, THP off, small tensors) the tensor is the
+    same, from ``torch.zeros``.
     """
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if sys.platform.startswith("linux") and size >= 2 * _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             memory.madvise(mmap.MADV_HUGEPAGE)
-            return torch.frombuffer(memory, dtype=dtype).view(shape).zero_()  # the tensor keeps the mapping alive
+            return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
         except (OSError, ValueError) as e:  # THP compiled out, mapping refused
             logger.debug("no huge-page mapping for a %d-byte pool: %s", size, e)
     return torch.zeros(shape, dtype=dtype)
+
+
+def empty_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose pages are taken from the system only as they are written (a
+    fresh anonymous mapping on Linux where it is large, else ``torch.empty``): a swap pool that is
+    never used costs no memory."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if sys.platform.startswith("linux") and size >= 2 * _HUGE_PAGE:
+        try:
+            return torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                    dtype=dtype).view(shape)
+        except (OSError, ValueError) as e:
+            logger.debug("no mapping for a %d-byte pool: %s", size, e)
+    return torch.empty(shape, dtype=dtype)
 
 
 def available_host_memory() -> int:
