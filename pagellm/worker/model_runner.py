@@ -69,7 +69,7 @@ class ModelRunner:
         device: torch.device,
         sliding_window: int | None = None,
         structured_output: StructuredOutputManager | None = None,
-        calculate_kv_scales: bool = False,
+        calculate_kv_scales: bool | None = None,
     ) -> None:
         self.model = model
         self.structured_output = structured_output  # None: no request may be constrained
@@ -98,7 +98,8 @@ class ModelRunner:
             fp8_max = torch.finfo(v_cache.dtype).max
             for module in model.modules():
                 if isinstance(module, Attention):
-                    module.set_fp8_kv_cache(fp8_max, calculate_kv_scales)
+                    # Unscaled (1.0), a layer's K and V values far below fp8's range round away.
+                    module.set_fp8_kv_cache(fp8_max, calculate_kv_scales is not False)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

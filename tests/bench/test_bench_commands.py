@@ -43,6 +43,7 @@ def test_bench_throughput_writes_json_markdown_and_plot(tmp_path, capfd):
     assert (tmp_path / "throughput-random-tiny-llama.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_bench_throughput_shared_prefix_reports_ttft_with_and_without_cache(tmp_path):
     rc = main(["bench", "throughput", *TINY, "--workload", "shared-prefix", "--prefix-len", "1000",
                "--backend", "pagellm", "--output-dir", str(tmp_path)])
@@ -212,6 +213,7 @@ def test_a_launched_pagellm_server_gets_the_engine_flags():
     assert cmd[cmd.index("--block-size") + 1] == "16" and cmd[cmd.index("--kv-cache-memory") + 1] == "2GiB"
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_results_are_written_and_the_plots_skipped(tmp_path):
     # A matplotlib that cannot be imported, first on the path: as on an install without the bench extra.
     blocker = tmp_path / "blocker" / "matplotlib"

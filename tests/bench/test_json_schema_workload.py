@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagellm.bench.workloads import BENCH_SCHEMA, json_schema_workload
 from pagellm.entrypoints.cli import main
 
@@ -18,6 +20,7 @@ def test_every_other_request_is_constrained():
     assert w.meta["schema"] == BENCH_SCHEMA
 
 
+@pytest.mark.slow
 def test_json_schema_workload_reports_the_cost(tmp_path, capfd):
     assert main(["bench", "throughput", *TINY, "--workload", "json-schema", "--backend", "pagellm",
                  "--output-dir", str(tmp_path)]) == 0

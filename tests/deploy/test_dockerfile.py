@@ -36,6 +36,20 @@ def test_hadolint_finds_nothing():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_every_install_takes_the_cpu_build_of_torch():
+    """The Makefile, the plain-install check and the image all ask for torch's CPU build (a bare pin
+    resolves to the CUDA build of several GB on an ordinary Linux machine)."""
+    makefile = (ROOT / "Makefile").read_text()
+    torch_pin = re.search(r"^TORCH_PIN := (\S+)", makefile, re.M)[1]  # type: ignore[index]
+    torch_index = re.search(r"^TORCH_INDEX := (.+)$", makefile, re.M)[1]  # type: ignore[index]
+    assert torch_pin.endswith("+cpu") and torch_index == "--extra-index-url https://download.pytorch.org/whl/cpu"
+    assert "$(TORCH_INDEX) $(TORCH_PIN)" in makefile
+    plain = (ROOT / ".ci" / "check-plain-install").read_text()
+    assert f"--no-deps {torch_index} {torch_pin}" in plain
+    readme = (ROOT / "README.md").read_text()
+    assert torch_pin in readme and "https://download.pytorch.org/whl/cpu" in readme
+
+
 def test_installs_the_makefiles_pins():
     makefile = (ROOT / "Makefile").read_text()
     torch_pin = re.search(r"^TORCH_PIN := (\S+)", makefile, re.M)[1]  # type: ignore[index]

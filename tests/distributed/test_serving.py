@@ -27,6 +27,7 @@ def greedy_text(path: Path, n: int = 12) -> str:
     return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_server_over_two_ranks_answers_and_dies_loudly_with_a_worker(llama_path):
     want = greedy_text(llama_path)
     srv = RemoteServer(llama_path, ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256",
@@ -76,6 +77,7 @@ def two_hosts():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its end of the veth along
 
 
+@pytest.mark.slow
 def test_two_hosts_one_rank_each(two_hosts, llama_path, tmp_path):
     (ns_a, addr_a, dev_a), (ns_b, _, dev_b) = two_hosts
     want = greedy_text(llama_path)

@@ -133,6 +133,7 @@ def test_sharded_config_and_refusals():
                                     intermediate_size=96), 4)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_stops_the_engine_with_a_clear_error(tmp_path):
     path = build_checkpoint(tmp_path / "llama", "llama", seed=5, num_key_value_heads=2, initializer_range=0.2)
     llm = LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=64, tensor_parallel_size=2)

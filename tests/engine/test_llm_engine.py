@@ -19,6 +19,7 @@ def llm(llama_path):
     return LLM(str(llama_path), max_model_len=256, num_kv_blocks=64, block_size=8)
 
 
+@pytest.mark.slow
 def test_preemption_gives_the_tokens_of_an_unconstrained_run(llama_path):
     prompts = random_prompts([20, 33, 9, 50, 27, 12], vocab=500, seed=3)
     free_run = LLM(str(llama_path), max_model_len=128, num_kv_blocks=256, block_size=4)

@@ -19,6 +19,7 @@ def shared_prefix_prompts(n: int, prefix_len: int, tail_len: int, seed: int = 0)
     return [prefix + t for t in tails]
 
 
+@pytest.mark.slow
 def test_outputs_identical_with_prefix_caching_on_and_off_even_after_eviction(llama_path):
     prompts = shared_prefix_prompts(6, 40, 9) + shared_prefix_prompts(6, 33, 5, seed=5)
     kw = dict(max_model_len=96, block_size=4, num_kv_blocks=40, max_num_seqs=2)
@@ -37,6 +38,7 @@ def test_outputs_identical_with_prefix_caching_on_and_off_even_after_eviction(ll
     assert off.kv_cache_stats().prefix_cache_hits == 0
 
 
+@pytest.mark.slow
 def test_customer_service_workload_peak_blocks_with_sharing_at_most_42_percent(llama_path):
     # Small version of the benchmark: 16 requests share a 1,000-token system prompt, each with its
     # own ~50-token message and 64 new tokens (the full one is benchmarks/prefix_sharing.py).
@@ -194,8 +196,10 @@ def test_kv_cache_stats_and_reset(llama_path):
     assert llm.reset_prefix_cache() is True and llm.kv_cache_stats().cached_blocks == 0
 
 
-@pytest.mark.skipif(not native.cascade_supported(torch.empty(1, 1, 64, 16, dtype=torch.bfloat16)),
-                    reason="cascade attention needs the native kernels with the bfloat16 dot products")
+@pytest.mark.skipif(not (native.cascade_supported(torch.empty(1, 1, 64, 16, dtype=torch.bfloat16))
+                         and native.linear_supported()),
+                    reason="the one-call native decoder with its cascade: the native bfloat16 linear kernel "
+                           "(AVX512-BF16 without AMX, where oneDNN runs the linears) and the bfloat16 dot products")
 def test_decodes_sharing_a_prefix_attend_it_once_with_the_same_results(checkpoints, monkeypatch):
     """A cached system prompt and forked samples (n = 2) put decodes that share their first blocks in
     one step: the model runner hands those runs to the attention kernel (cascade), which reads the

@@ -278,6 +278,7 @@ def test_disabled_by_environment(monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_built_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     native.load.cache_clear()

@@ -59,6 +59,7 @@ def test_a_folder_of_another_file_and_bad_values(model_with_defaults, tmp_path):
         default_sampling_fields(str(tmp_path / "missing"), tmp_path)
 
 
+@pytest.mark.slow
 def test_the_server_gives_requests_the_files_defaults(model_with_defaults):
     import openai
 

@@ -64,6 +64,7 @@ def smollm2() -> LLM:
     return LLM(str(SMOLLM2), dtype="float32", kv_cache_memory="1GiB")
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_greedy_continuations_match_transformers_on_the_same_file(smollm2):
     assert SMOLLM2 is not None
@@ -81,6 +82,7 @@ def test_greedy_continuations_match_transformers_on_the_same_file(smollm2):
 
 
 @needs_smollm2
+@pytest.mark.slow
 def test_chat_template_renders_the_same_token_ids(smollm2):
     assert SMOLLM2 is not None
     _, tokenizer = hf_gguf(SMOLLM2)
@@ -91,6 +93,7 @@ def test_chat_template_renders_the_same_token_ids(smollm2):
         assert "<|im_start|>system" in tokenizer.decode(want)
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_log_likelihoods_agree_with_transformers(smollm2):
     """lm-eval's loglikelihood: the sum of each sentence token's log-probability."""
@@ -106,6 +109,7 @@ def test_log_likelihoods_agree_with_transformers(smollm2):
         assert abs(ours - lp) < 1e-3, sentence
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_chat_stops_at_the_end_of_turn_and_skips_special_tokens(smollm2):
     out = smollm2.chat(CONVERSATIONS[0], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
@@ -115,6 +119,7 @@ def test_chat_stops_at_the_end_of_turn_and_skips_special_tokens(smollm2):
 
 
 @needs_smollm2
+@pytest.mark.slow
 def test_the_default_max_model_len_is_the_file_context_length(smollm2):
     assert smollm2.llm_engine.max_model_len == 8192  # llama.context_length
 

@@ -118,6 +118,7 @@ def test_params_validation(so, message):
         StructuredOutputsParams(**so)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_grammar_state(llama_path, mode, caplog):
     schema = SCHEMAS["array of objects"]

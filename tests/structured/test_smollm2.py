@@ -30,6 +30,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
+@pytest.mark.slow
 def test_every_everyday_schema_validates_greedy(server):
     # Greedy decoding is where a small model loops (a digit, an array item, a phrase): the documents
     # must still end, parse and validate.
@@ -66,6 +67,7 @@ def test_regex_and_choice(client):
     assert r.choices[0].message.content in ("positive", "negative")
 
 
+@pytest.mark.slow
 def test_required_tool_call_validates_and_streams_the_same(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                   tools=[WEATHER], tool_choice="required", max_tokens=100, temperature=0)
