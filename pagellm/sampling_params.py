@@ -198,8 +198,9 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or not 0 <= v <= 20):
-                raise bad(name, v, "an integer in [0, 20] or None")
+            # The upper limit is the engine's (--max-logprobs, 20 by default, as in vLLM).
+            if v is not None and (not _is_int(v) or v < 0):
+                raise bad(name, v, "an integer >= 0 or None")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

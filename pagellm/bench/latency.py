@@ -24,6 +24,7 @@ from pagellm.bench.throughput import DEFAULT_OUTPUT, check_output_dir, set_threa
 from pagellm.bench.workloads import random_workload
 from pagellm.config import QUANTIZATION_METHODS
 from pagellm.model.loader import load_config, resolve_model_files
+from pagellm.text import plural
 
 BACKENDS = ("pagellm", llama_cpp.NAME)
 DEFAULT_PROMPT_LENS = (128, 1024)
@@ -34,7 +35,9 @@ PAUSE_S = 0.2
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("latency", help="single stream: prefill and decode tok/s of pagellm and llama.cpp on the "
                                        "same GGUF file and thread count")
-    p.add_argument("model", help="a GGUF file (both backends), or a Hugging Face folder (pagellm alone)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a GGUF file (both backends), or a Hugging Face folder (pagellm alone); none: the embedded "
+                        "default, SmolLM2-135M-Instruct's Q4_1 GGUF, as `pagellm serve` (`pagellm default-model`)")
     p.add_argument("--backend", action="append", choices=BACKENDS, default=None,
                    help="repeatable; default: both on a GGUF file, pagellm on a folder (llama.cpp: through "
                         f"llama-cpp-python, {llama_cpp.INSTALL})")
@@ -135,6 +138,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.model is None:
+        from pagellm.model.default_model import default_model_path
+
+        args.model = str(default_model_path())
+        print(f"no model given: the embedded default, {args.model}")
     files = resolve_model_files(args.model)
     backends = args.backend or (list(BACKENDS) if files.gguf is not None else ["pagellm"])
     if llama_cpp.NAME in backends:
@@ -167,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     dtype = streams["pagellm"].weights if "pagellm" in streams else None
     print(f"single stream on {model_name}: prompts of {', '.join(map(str, args.prompt_len))} tokens, "
-          f"{args.new_tokens} new tokens, {args.runs} runs, {threads} threads; pagellm in {dtype}")
+          f"{plural(args.new_tokens, 'new token')}, {plural(args.runs, 'run')}, {plural(threads, 'thread')}; "
+          f"pagellm in {dtype}")
 
     prompts = {n: [random_workload(1, (n, n), (1, 1), config.vocab_size, args.seed + r).prompts[0]
                    for r in range(args.runs)] for n in args.prompt_len}
@@ -222,7 +231,7 @@ def measure(streams: dict[str, Any], prompts: dict[int, list[list[int]]], new_to
                 time.sleep(PAUSE_S)
                 g = streams[name].generate(per_run[r], new_tokens)
                 if len(g.tokens) != new_tokens:
-                    raise RuntimeError(f"{name} produced {len(g.tokens)} tokens, expected {new_tokens}")
+                    raise RuntimeError(f"{name} produced {plural(len(g.tokens), 'token')}, expected {new_tokens}")
                 series[name, n].samples.append(Sample(n / g.ttft_s, g.decode_tok_s))
 
 
@@ -233,7 +242,8 @@ def busy_machine_warning(threads: int) -> float | None:
     busy = busy_cores()
     cores = os.cpu_count() or 1
     if busy is not None and busy > max(0.3, cores - threads + 0.3):
-        print(f"warning: other work keeps {busy:.1f} of {cores} cores busy and {threads} threads are wanted: "
+        wanted = f"{plural(threads, 'thread')} {'is' if threads == 1 else 'are'} wanted"
+        print(f"warning: other work keeps {busy:.1f} of {plural(cores, 'core')} busy and {wanted}: "
               "the rates will be low and noisy")
     return busy
 

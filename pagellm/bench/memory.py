@@ -18,6 +18,7 @@ from pagellm.bench.throughput import (
     plot_kv_usage,
     prepare,
 )
+from pagellm.text import plural
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,15 +73,17 @@ def run(args: argparse.Namespace) -> int:
         "max_concurrent_contiguous": capacity_contiguous,
     }
     mib = 2**20
-    print(f"workload {workload.name}: {workload.num_requests} requests, model {model_name} ({args.dtype}), "
+    print(f"workload {workload.name}: {plural(workload.num_requests, 'request')}, model {model_name} ({args.dtype}), "
           f"block_size {engine.block_size}")
-    print(f"peak KV allocated (paged):          {paged_bytes / mib:10.1f} MiB ({peak.kv_blocks_in_use} blocks)")
+    print(f"peak KV allocated (paged):          {paged_bytes / mib:10.1f} MiB "
+          f"({plural(peak.kv_blocks_in_use, 'block')})")
     print(f"contiguous max_model_len={max_len} x {peak_seqs}: {contiguous_bytes / mib:10.1f} MiB "
           f"({contiguous_bytes / paged_bytes:.1f}x)")
     print(f"transformers static cache ({workload.num_requests * workload.n} x {static_len}): "
           f"{static_bytes / mib:10.1f} MiB ({static_bytes / paged_bytes:.1f}x)")
     print(f"internal fragmentation at peak: {peak.kv_fragmentation:.2%} of allocated slots")
-    print(f"a {budget / mib:.0f} MiB KV budget holds {capacity_paged} sequences paged vs {capacity_contiguous} "
+    print(f"a {budget / mib:.0f} MiB KV budget holds {plural(capacity_paged, 'sequence')} paged vs "
+          f"{capacity_contiguous} "
           f"contiguous ({capacity_paged / max(capacity_contiguous, 1):.1f}x)")
     out = args.output_dir
     stem = f"memory-{workload.name}-{model_name}"

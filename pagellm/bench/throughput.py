@@ -27,6 +27,7 @@ from pagellm.bench.workloads import (
 from pagellm.config import EngineArgs
 from pagellm.model.gguf_file import is_gguf_file
 from pagellm.model.loader import check_model_folder, resolve_model_files
+from pagellm.text import plural
 
 DEFAULT_OUTPUT = Path("benchmarks/results")
 
@@ -182,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--hf-batch-sizes must all be >= 1, got {' '.join(map(str, args.hf_batch_sizes))}")
     model, model_name, config = prepare(args, gguf_ok=True)
     workload = build_workload(args, config.vocab_size)
-    print(f"workload {workload.name}: {workload.num_requests} requests x n={workload.n}, "
-          f"{workload.prompt_tokens} prompt tokens, {workload.output_tokens} output tokens; model {model_name} "
-          f"({args.dtype}, {threads} threads)")
+    print(f"workload {workload.name}: {plural(workload.num_requests, 'request')} x n={workload.n}, "
+          f"{plural(workload.prompt_tokens, 'prompt token')}, {plural(workload.output_tokens, 'output token')}; "
+          f"model {model_name} ({args.dtype}, {plural(threads, 'thread')})")
     limits = measure_machine()
     print(f"machine: bf16 matmul {limits.matmul_tflops_bf16 * 1000:.0f} GFLOP/s, fp32 "
           f"{limits.matmul_tflops_fp32 * 1000:.0f} GFLOP/s, copy bandwidth {limits.copy_bandwidth_gbs:.1f} GB/s")

@@ -35,6 +35,7 @@ from pagellm.config import EngineArgs
 from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.distributed.step_message import HEADER_LEN, STOP, decode_step, encode_step, stop_header
+from pagellm.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,8 @@ class TensorParallelDriver:
         if args.master_port is None:
             args = dataclasses.replace(args, master_port=free_port())
         if device.type == "cuda" and torch.cuda.device_count() < local_world_size(args):
-            raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} over {args.nnodes} node(s) needs "
-                             f"{local_world_size(args)} GPUs here, found {torch.cuda.device_count()}")
+            raise ValueError(f"tensor_parallel_size {args.tensor_parallel_size} over {plural(args.nnodes, 'node')} "
+                             f"needs {plural(local_world_size(args), 'GPU')} here, found {torch.cuda.device_count()}")
         self.args = args
         self.world = args.tensor_parallel_size
         self.closed = False
@@ -136,8 +137,9 @@ class TensorParallelDriver:
         self.threads_before = torch.get_num_threads()
         self.procs = spawn_local_workers(args, 1, local_world_size(args) - 1)
         atexit.register(self.close)
-        logger.info("tensor parallel: %d ranks (%d on this node, %d threads each), meeting at %s:%d", self.world,
-                    local_world_size(args), threads_per_rank(args), args.master_addr, args.master_port)
+        logger.info("tensor parallel: %d ranks (%d on this node, %s each), meeting at %s:%d", self.world,
+                    local_world_size(args), plural(threads_per_rank(args), "thread"), args.master_addr,
+                    args.master_port)
         try:
             self.group = self._meet(device)
             self._broadcast(torch.tensor([DTYPE_CODES.index(dtype)], dtype=torch.int64))
@@ -220,13 +222,15 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     """A worker rank: its share of the model and KV cache, then one forward pass per broadcast step."""
     from pagellm.engine.startup import allocate_kv_cache, resolve_max_model_len
     from pagellm.model import loader
+    from pagellm.model.hf_overrides import apply_hf_overrides
     from pagellm.model.llama import sliding_window_of
     from pagellm.worker.model_runner import ModelRunner
     from pagellm.worker.sampler import Sampler
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     files = loader.resolve_model_files(_model_path(args))
-    config = loader.load_config(files.folder)
+    assert not isinstance(args.hf_overrides, str)  # (EngineArgs parsed its JSON)
+    config = apply_hf_overrides(loader.load_config(files.folder), args.hf_overrides)
     device = local_device(loader.resolve_device(args.device), rank, args)
     group = init_rank(args, rank, device, meeting_point(args, rank))
     code = torch.zeros(1, dtype=torch.int64)

@@ -25,6 +25,7 @@ from pagellm.engine.faults import FaultInjector
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(self.health() or "the engine loop is not running")
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
             raise QueueFullError(
-                f"the waiting queue is full ({self.max_waiting_requests} requests): retry later"
+                f"the waiting queue is full ({plural(self.max_waiting_requests, 'request')}): retry later"
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -324,7 +325,7 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(RequestFailedError(f"engine step failed: {type(error).__name__}: {error}"))
             self._pending_aborts.append(rid)
-        self._fault("step", error, f"an engine step ({len(ids)} request(s) in its batch)")
+        self._fault("step", error, f"an engine step ({plural(len(ids), 'request')} in its batch)")
 
     def _die(self, error: Exception) -> None:
         """The engine cannot go on: fail every request, refuse new ones, tell the server."""

@@ -14,6 +14,7 @@ import jinja2
 from pagellm.config import check_slo
 from pagellm.core.sequence import Request
 from pagellm.sampling_params import SamplingParams
+from pagellm.text import plural
 
 if TYPE_CHECKING:
     from pagellm.structured_output import StructuredOutputManager
@@ -31,8 +32,10 @@ class InputProcessor:
     what is wrong otherwise."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: set[int], structured_output: StructuredOutputManager | None = None) -> None:
+                 eos_token_ids: set[int], structured_output: StructuredOutputManager | None = None,
+                 max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs  # -1: no limit
         self.structured_output = structured_output
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -147,13 +150,24 @@ class InputProcessor:
         """ValueError unless a prompt of ``num_tokens`` leaves room for one new token."""
         if num_tokens >= self.max_model_len:
             raise ValueError(
-                f"the prompt is {num_tokens} tokens long but max_model_len is {self.max_model_len} (prompt plus at "
-                "least one new token must fit): shorten the prompt or raise --max-model-len"
+                f"the prompt is {plural(num_tokens, 'token')} long but max_model_len is {self.max_model_len} (prompt "
+                "plus at least one new token must fit): shorten the prompt or raise --max-model-len"
             )
 
     def _check_vocab_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check without the model: token ids within the vocabulary, and
-        min_tokens leaving some token to sample."""
+        """What SamplingParams cannot check without the model: logprobs within --max-logprobs and the
+        vocabulary, token ids within the vocabulary, and min_tokens leaving some token to sample."""
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is None:
+                continue
+            if 0 <= self.max_logprobs < n:
+                raise ValueError(f"{name}={n} is more than this engine allows (max_logprobs {self.max_logprobs}): "
+                                 f"ask for at most {self.max_logprobs}, or raise --max-logprobs (max_logprobs=... "
+                                 "in LLM)")
+            if n > self.vocab_size:
+                raise ValueError(f"{name}={n} is more than the model's vocabulary of {self.vocab_size} tokens: ask "
+                                 f"for at most {self.vocab_size}")
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             if bad:

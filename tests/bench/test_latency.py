@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pagellm.entrypoints.cli import main
+from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
 
 TINY = ["--prompt-len", "8", "24", "--new-tokens", "4", "--runs", "2", "--dtype", "float32",
         "--kv-cache-memory", "64MiB"]
@@ -47,3 +48,14 @@ def test_bench_latency_refuses_flags_before_any_work(llama_path, tmp_path, capsy
     assert main(["bench", "latency", str(llama_path), *flags, "--output-dir", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(embedded_gguf_path() is None, reason=f"the embedded model is missing: {DEFAULT_MODEL_INSTALL}")
+def test_bench_latency_runs_the_embedded_default_when_given_no_model(tmp_path, capsys):
+    assert main(["bench", "latency", "--backend", "pagellm", "--prompt-len", "8", "--new-tokens", "2", "--runs", "1",
+                 "--kv-cache-memory", "64MiB", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"no model given: the embedded default, {embedded_gguf_path()}" in out
+    assert "2 new tokens, 1 run, " in out  # one run, not "1 runs"
+    data = json.loads((tmp_path / "latency-SmolLM2-135M-Instruct.Q4_1.json").read_text())
+    assert data["model"] == "SmolLM2-135M-Instruct.Q4_1" and data["backends"] == ["pagellm"]

@@ -81,7 +81,7 @@ def test_help_imports_no_torch_and_serve_help_no_server_stack():
     probe = ("import sys\nfrom pagellm.entrypoints.cli import main\ntry:\n    main({argv})\nexcept SystemExit:\n"
              "    pass\nprint(sorted(m for m in ('torch', 'transformers', 'fastapi', 'httpx') if m in sys.modules))")
     top = _run_python(probe.format(argv=["--help"]))
-    assert "{generate,serve,bench,plan}" in top.stdout and top.stdout.strip().endswith("[]")
+    assert "{generate,serve,bench,plan,default-model}" in top.stdout and top.stdout.strip().endswith("[]")
     serve = _run_python(probe.format(argv=["serve", "--help"]))
     assert "--gpu-memory-utilization" in serve.stdout and serve.stdout.strip().endswith("[]")
 
@@ -107,7 +107,7 @@ def test_every_flag_has_help_and_shows_its_default():
     for name, parser in parsers.items():
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             text = formatter._get_help_string(action) or ""
             flag = f"pagellm {name} {action.option_strings[0]}"
@@ -127,3 +127,47 @@ def test_generate_without_prompts_completes_the_examples(llama_path, capsys):
                  "--max-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "Prompt: 'The capital of France is'" in out and out.count("Completion: ") == 2
+
+
+def _pagellm(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_version_prints_the_package_version():
+    import pagellm
+
+    r = _pagellm("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"pagellm {pagellm.__version__}"
+
+
+def test_default_model_prints_the_path_of_the_model_run_when_none_is_given():
+    from pagellm.model.default_model import default_model_path
+
+    r = _pagellm("default-model")
+    assert r.returncode == 0 and r.stdout.strip() == str(default_model_path())
+    assert "SmolLM2-135M-Instruct" in _pagellm("default-model", "--help").stdout
+
+
+@pytest.mark.parametrize("argv, usage, words", [
+    (["serve", "--max-logprobz=3"], "usage: pagellm serve",
+     "pagellm serve: error: unrecognized arguments: --max-logprobz=3 (did you mean --max-logprobs?)"),
+    (["generate", "--temprature=0.5", "Hi"], "usage: pagellm generate",
+     "pagellm generate: error: unrecognized arguments: --temprature=0.5 (did you mean --temperature?)"),
+    (["bench", "latency", "--new-token", "3", "--bogus"], "usage: pagellm bench latency",
+     "unrecognized arguments: --bogus"),
+    (["plan", "--frobnicate"], "usage: pagellm plan", "pagellm plan: error: unrecognized arguments: --frobnicate"),
+    (["--frobnicate", "serve"], "usage: pagellm [-h]", "pagellm: error: unrecognized arguments: --frobnicate"),
+])
+def test_unknown_flags_are_reported_under_the_usage_of_their_command(argv, usage, words):
+    r = _pagellm(*argv)
+    assert r.returncode == 2 and r.stderr.startswith(usage) and words in r.stderr, r.stderr
+
+
+def test_serve_help_names_gguf_files_and_the_embedded_default():
+    text = " ".join(_pagellm("serve", "--help").stdout.split())
+    assert "--model MODEL a GGUF file" in text and "SmolLM2-135M-Instruct's Q4_1 GGUF" in text
+    assert "tiny default" not in text
+    for flag in ("--max-logprobs", "--hf-overrides", "--override-generation-config", "--ssl-keyfile", "--root-path",
+                 "--config YAML", "--optimization-level", "-O", "--enable-log-requests", "--response-role"):
+        assert flag in text, flag

@@ -130,7 +130,7 @@ def test_cli_prints_text_and_json(gqa_path, capsys):
             "--kv-cache-dtype", "fp8", "--dtype", "float32", "--mean-len", "32"]
     assert main(args) == 0
     text = capsys.readouterr().out
-    for words in ("KV per rank   1 KV heads", "sequences at max_model_len 128", "at a mean length of 32",
+    for words in ("KV per rank   1 KV head:", "sequences at max_model_len 128", "at a mean length of 32",
                   "memory        request", "2 ranks x (weights"):
         assert words in text, (words, text)
     assert main([*args, "--json"]) == 0

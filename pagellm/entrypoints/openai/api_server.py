@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,7 +34,7 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.stats_logger import StatsLogger
-from pagellm.entrypoints.openai.cli_args import api_keys_from_env
+from pagellm.entrypoints.openai.cli_args import IGNORED_SERVER_FLAGS, api_keys_from_env
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
 from pagellm.entrypoints.openai.protocol import (
@@ -42,9 +43,12 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.routes import no_such_route, served_routes
+from pagellm.entrypoints.openai.serving import RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
+from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
 
@@ -104,9 +108,10 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_keys and scope["path"] != "/health":
+        path = get_route_path(scope)  # without --root-path
+        if self.api_keys and path != "/health":
             auth = headers.get(b"authorization", b"")
-            browser = self._in_browser_path(scope["path"])
+            browser = self._in_browser_path(path)
             if not self._authorized(auth, browser):
                 message = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
                            else "invalid API key")
@@ -141,7 +146,7 @@ class GuardMiddleware:
         await self.app(scope, limited_receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(413, f"the request body is larger than the limit of {self.max_body_bytes} bytes; "
+        body = error_body(413, f"the request body is larger than the limit of {plural(self.max_body_bytes, 'byte')}; "
                                "send less, or start the server with a larger --max-request-body-size")
         await JSONResponse(body, status_code=413)(scope, receive, send)
 
@@ -187,10 +192,12 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               chat_template: str | None = None, aliases: Sequence[str] = (),
               body_read_timeout: float = math.inf, cors: CORSSettings | None = None,
               enable_dashboard: bool = True, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False, response_role: str = "assistant",
+              request_logging: RequestLogging | None = None, root_path: str = "") -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
-    /v1/kv_cache/state."""
+    /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
+    (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(metrics.on_step)
@@ -198,7 +205,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
     serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases),
-                            tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+                            tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                            response_role=response_role, request_logging=request_logging)
     dashboard = Dashboard(async_engine, model_name) if enable_dashboard else None
     if dashboard is not None:
         async_engine.step_callbacks.append(dashboard.on_step)
@@ -213,9 +221,12 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
             in_flight = async_engine.num_in_flight()
             await async_engine.stop()
             serving.close()
-            logger.info("engine stopped; aborted %d request(s) still in flight", in_flight)
+            logger.info("engine stopped; aborted %s still in flight", plural(in_flight, "request"))
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
+    # As vLLM: requests may come with the prefix or without it (a proxy that strips it), and the
+    # OpenAPI schema names it. (Set here: FastAPI's constructor argument is deprecated.)
+    app.root_path = root_path
     app.state.async_engine = async_engine
     app.state.metrics = metrics
 
@@ -224,8 +235,11 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = no_such_route(request.method, get_route_path(request.scope), served_routes(app.routes))
+        else:
+            message = {405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
         # The exception's headers too: a 405 names the methods the route allows (Allow), as HTTP asks.
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
@@ -341,6 +355,13 @@ def load_chat_template(value: str | None) -> str | None:
     return template
 
 
+def log_ignored_server_flags(args: argparse.Namespace) -> None:
+    """One line for each of vLLM's server flags given that changes nothing here."""
+    for attr, why in IGNORED_SERVER_FLAGS.items():
+        if getattr(args, attr, False):
+            logger.info("--%s has no effect: %s", attr.replace("_", "-"), why)
+
+
 def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     """Serve on ``sock`` (bound by ``cli_args.bind_socket`` before anything heavy was imported)."""
     import uvicorn
@@ -360,6 +381,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     max_body = parse_memory(args.max_request_body_size)
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
+    log_ignored_server_flags(args)
     if engine_args.node_rank > 0:  # another host's model shards: node 0 serves HTTP
         sock.close()
         from pagellm.distributed.tensor_parallel import run_worker_node
@@ -376,10 +398,14 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     max_body_bytes=max_body, chat_template=chat_template, aliases=names[1:],
                     body_read_timeout=args.body_read_timeout, cors=cors,
                     enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
+                    request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
+                    root_path=args.root_path or "")
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                            access_log=False, timeout_keep_alive=args.timeout_keep_alive,
-                            http=with_head_timeout(args.body_read_timeout))
+                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
+                            http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                            ssl_cert_reqs=args.ssl_cert_reqs)
     # SIGTERM: requests still running when --shutdown-timeout expires are aborted through the engine
     # (clients get finish_reason "abort" and [DONE]); an engine that failed for good exits 1.
     from pagellm.entrypoints.openai.shutdown import EngineServer
@@ -389,8 +415,9 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     # status 128+N; with these no-op handlers restored under it, a graceful SIGTERM exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info("listening on http://%s:%d (model %r)", args.host, args.port, name)
+    base = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}{args.root_path or ''}"
+    logger.info("listening on %s (model %r)", base, name)
     if not args.disable_dashboard:
-        logger.info("KV cache dashboard: http://%s:%d/dashboard", args.host, args.port)
+        logger.info("KV cache dashboard: %s/dashboard", base)
     server.run(sockets=[sock])
     return server.exit_code

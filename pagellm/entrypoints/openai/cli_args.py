@@ -41,7 +41,8 @@ def api_keys_from_env() -> list[str] | None:
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="model folder (same as --model); none: the embedded default")
+                   help="a GGUF file or a Hugging Face model folder (same as --model); none: the embedded default, "
+                        "SmolLM2-135M-Instruct's Q4_1 GGUF (`pagellm default-model` prints its path)")
     EngineArgs.add_cli_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -81,14 +82,94 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="do not serve the live KV cache dashboard (GET /dashboard) nor its state "
                         "(GET /v1/kv_cache/state)")
     s.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM scripts: pagellm does not log request contents")
+                   help="do not log requests (the default; vLLM's older flag)")
+    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request as it arrives: its id, prompt (up to --max-log-len), token ids and sampling "
+                        "parameters")
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: the most prompt characters and token ids logged per request "
+                        "(default: all)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per HTTP request (uvicorn logs them at info: --uvicorn-log-level info)")
+    s.add_argument("--response-role", default="assistant",
+                   help="the role of chat responses' messages (with add_generation_prompt false: the last message's)")
+    s.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves this server under, e.g. /llm (FastAPI's root_path: requests "
+                        "come with or without it; the OpenAPI schema names it) (default: none)")
+    t = p.add_argument_group("HTTPS (vLLM's flags, through uvicorn)")
+    t.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
+    t.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile")
+    t.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates are checked "
+                                                        "against (with --ssl-cert-reqs)")
+    t.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
+    v = p.add_argument_group("vLLM's server flags that change nothing here (each logs why once)")
+    v.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="the HTTP server and the engine always share one process here")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="a YAML file of flags, as vLLM's: keys are flag names without the leading dashes "
+                        "(port: 8000, max-model-len or max_model_len: 4096, enforce-eager: true); flags on the "
+                        "command line win over the file's (default: none)")
     p.set_defaults(func=_run)
     return p
+
+
+# vLLM's server flags that change nothing here: attribute -> why (logged once when given).
+IGNORED_SERVER_FLAGS = {
+    "disable_frontend_multiprocessing": "the HTTP server and the engine share one process in pagellm",
+}
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a server setting that cannot work, before anything loads."""
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be an integer >= 0, got {args.max_log_len}")
+    if not args.response_role.strip():
+        raise ValueError("--response-role must be a role name such as assistant, got an empty string")
+    root = args.root_path
+    if root is not None and (not root.startswith("/") or (root.endswith("/") and root != "/")):
+        raise ValueError(f"--root-path must be a path starting with '/' and not ending with one, like /llm; "
+                         f"got {root!r}")
+    check_ssl_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def check_ssl_files(keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int) -> None:
+    """The HTTPS flags: both files or neither, readable, a key that matches its certificate."""
+    import ssl
+
+    if (keyfile is None) != (certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile (the private key and its certificate); "
+                         f"only {'--ssl-keyfile' if keyfile else '--ssl-certfile'} was given")
+    if keyfile is None:
+        if ca_certs is not None or cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs check client certificates over HTTPS: give "
+                             "--ssl-keyfile and --ssl-certfile too")
+        return
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile), ("--ssl-ca-certs", ca_certs)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r} is not a file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)  # type: ignore[arg-type]
+    except ssl.SSLError as e:
+        raise ValueError(f"--ssl-certfile {certfile!r} and --ssl-keyfile {keyfile!r} do not load as a PEM "
+                         f"certificate and its private key ({e.reason or e})") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except ssl.SSLError as e:
+            raise ValueError(f"--ssl-ca-certs {ca_certs!r} does not load as PEM CA certificates ({e.reason or e})"
+                             ) from None
+    if cert_reqs and ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 1 or 2 checks client certificates against --ssl-ca-certs: give it too")
 
 
 def _run(args: argparse.Namespace) -> Any:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    check_server_flags(args)
     # The port is taken before anything loads (the server stack, torch, the model): a port in use is
     # reported at once, not after a long load.
     sock = bind_socket(args.host, args.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import subprocess
 import time
 
@@ -16,14 +17,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    """Wait until ``url``/health answers 200; RuntimeError if the process dies or time runs out."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0,
+                 verify: bool | ssl.SSLContext = True) -> None:
+    """Wait until ``url``/health answers 200; RuntimeError if the process dies or time runs out.
+    ``verify``: httpx's (for an HTTPS server, a context trusting its certificate)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode} during start-up")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

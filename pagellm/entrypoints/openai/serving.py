@@ -21,6 +21,7 @@ from pagellm.engine.detokenizer import StopStringMatcher
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_value_error
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.text import plural
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.1
@@ -79,13 +80,30 @@ class Job:
             s.abort()
 
 
+@dataclass
+class RequestLogging:
+    """``--enable-log-requests``: a line per engine request as it is queued; ``max_log_len`` caps the
+    prompt characters and token ids shown (None: all)."""
+
+    max_log_len: int | None = None
+
+    def log(self, request_id: str, text: str, ids: list[int], params: SamplingParams) -> None:
+        n = self.max_log_len
+        shown_ids = ids if n is None or len(ids) <= n else [*ids[:n], "..."]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, %s", request_id,
+                    text if n is None else text[:n], params, shown_ids, plural(len(ids), "prompt token"))
+
+
 class OpenAIServing:
     """The state and helpers both handlers use (``OpenAIServingCompletion``, ``OpenAIServingChat``)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
                  aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False) -> None:
+                 enable_auto_tool_choice: bool = False, response_role: str = "assistant",
+                 request_logging: RequestLogging | None = None) -> None:
         self.engine = engine
+        self.response_role = response_role  # --response-role
+        self.request_logging = request_logging
         # --tool-call-parser and --enable-auto-tool-choice: how "auto" tool choice reads the output.
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
@@ -115,15 +133,27 @@ class OpenAIServing:
                                 f"{', '.join(repr(n) for n in self.model_names)}",
                            param="model", code="model_not_found")
 
+    def check_logprobs(self, name: str, n: int | None) -> None:
+        """400 naming the field unless ``n`` (logprobs asked for) is within ``--max-logprobs``."""
+        limit = self.llm.args.max_logprobs
+        if n is None:
+            return
+        if n < 0:
+            raise APIError(400, f"{name} must be an integer >= 0, got {n}", param=name)
+        if 0 <= limit < n:
+            raise APIError(400, f"{name} is {n}, more than this server allows (--max-logprobs {limit}): ask for at "
+                                f"most {limit}, or start the server with a larger --max-logprobs", param=name)
+
     def _check_length(self, prompt_len: int, max_tokens: int, what: str = "prompt",
                       max_tokens_name: str = "max_tokens") -> None:
         total = prompt_len + max_tokens
         if total > self.max_model_len:
+            has = "have" if what == "messages" else "has"
             raise APIError(
                 400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but the {what} has "
-                f"{prompt_len} tokens and {max_tokens_name} is {max_tokens} ({total} in all): shorten the {what} "
-                f"or lower {max_tokens_name}",
+                f"this model's maximum context length is {plural(self.max_model_len, 'token')}, but the {what} "
+                f"{has} {plural(prompt_len, 'token')} and {max_tokens_name} is {max_tokens} ({total} in all): "
+                f"shorten the {what} or lower {max_tokens_name}",
                 param=max_tokens_name if prompt_len < self.max_model_len else what,
                 code="context_length_exceeded",
             )
@@ -135,6 +165,8 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts):
                 rid = base if len(prompts) == 1 else f"{base}-{i}"
                 prompt = {"prompt": text, "prompt_token_ids": ids, "cache_salt": req.cache_salt}
+                if self.request_logging is not None:
+                    self.request_logging.log(rid, text, ids, params)
                 streams.append(self.engine.add_request(rid, prompt, params, priority=req.priority,
                                                        ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo))
         except (QueueFullError, EngineDeadError, ValueError) as e:

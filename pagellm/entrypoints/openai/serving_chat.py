@@ -66,9 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         self._check_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {req.top_logprobs}",
-                           param="top_logprobs")
+        self.check_logprobs("top_logprobs", req.top_logprobs)
         # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -107,13 +105,14 @@ class OpenAIServingChat(OpenAIServing):
             return JSONResponse({}, status_code=499)
         (out,) = finals
         choices = []
+        role = self.chat_response_role(req)
         for c in out.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            message: dict[str, Any] = {"role": role, "content": c.text}
             finish = c.finish_reason
             if mode.kind != "none":
                 parsed = mode.parse(c.text, final=True)
                 if parsed.tools_called:
-                    message = {"role": "assistant", "content": parsed.content or None,
+                    message = {"role": role, "content": parsed.content or None,
                                "tool_calls": message_tool_calls(parsed)}
                     finish = "tool_calls" if finish == "stop" else finish
             choices.append({
@@ -125,6 +124,11 @@ class OpenAIServingChat(OpenAIServing):
                 "stop_reason": c.stop_reason,
             })
         return envelope.body(choices, usage=self._usage(job))
+
+    def chat_response_role(self, req: ChatCompletionRequest) -> str:
+        """The role of the reply, as vLLM: ``--response-role`` where the template adds a generation
+        prompt, else the role of the last message (which the reply continues)."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     @staticmethod
     def _chat_logprobs(token_ids: list[int], entries: list | None, top_n: int) -> list[dict[str, Any]]:
@@ -153,9 +157,10 @@ class OpenAIServingChat(OpenAIServing):
             usage = self._chunk_usage(job, 0, completion_tokens) if req.continuous_usage else usage_field
             return envelope.chunk([choice], **usage)
 
+        role = self.chat_response_role(req)
         for i in range(job.params.n):  # the role comes first, for every choice
             states[i] = ChoiceState(started=True)
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield chunk({"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                          "finish_reason": None}, 0)
         async for _, out in self._merged(job):
             for c in out.outputs:

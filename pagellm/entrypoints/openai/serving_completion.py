@@ -13,6 +13,7 @@ from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
 from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.text import plural
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -23,6 +24,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported by this server; remove it", param="suffix")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
+        self.check_logprobs("logprobs", req.logprobs)
         echo_only = req.echo and req.max_tokens == 0
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo, to score a prompt)",
@@ -48,8 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         await self.compile_constraint(params, constraint_field)
         for _, ids in prompts:
             if echo_only and len(ids) >= self.max_model_len:
-                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                    f"prompt has {len(ids)}: to score a prompt with echo it must be shorter",
+                raise APIError(400, f"this model's maximum context length is {plural(self.max_model_len, 'token')}, "
+                                    f"but the prompt has {len(ids)}: to score a prompt with echo it must be shorter",
                                param="prompt", code="context_length_exceeded")
             self._check_length(len(ids), params.max_tokens or 1)
         job = self._start(prompts, params, req, "cmpl")
@@ -79,8 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "prompt is empty: give a string, a list of strings or token ids", param="prompt")
         limit = self.engine.max_waiting_requests
         if limit is not None and len(items) > limit:
-            raise APIError(400, f"{len(items)} prompts in one request, but the server queues at most {limit} "
-                                "requests: send them in smaller batches", param="prompt")
+            raise APIError(400, f"{len(items)} prompts in one request, but the server queues at most "
+                                f"{plural(limit, 'request')}: send them in smaller batches", param="prompt")
         return await self.off_loop(self._tokenize_all, items, add_special_tokens, truncate)
 
     def _tokenize_all(self, items: list[Any], add_special_tokens: bool = True,

@@ -23,6 +23,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.stats_history import StatsHistory
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.outputs import RequestOutput
+from pagellm.text import plural
 
 STATE_PATH = "/v1/kv_cache/state"
 PAGE_PATH = "/dashboard"
@@ -47,7 +48,7 @@ def engine_settings(engine: LLMEngine, model_name: str) -> dict[str, Any]:
     """The settings the engine runs with: its flags, and what start-up resolved from them."""
     args = dataclasses.asdict(engine.args)
     if isinstance(args.get("preload_prompts"), list):  # the prompts themselves can be long: their count
-        args["preload_prompts"] = f"{len(args['preload_prompts'])} prompt(s)"
+        args["preload_prompts"] = plural(len(args["preload_prompts"]), "prompt")
     manager = engine.kv_cache_manager
     sched = engine.scheduler.config
     resolved = {
@@ -59,9 +60,27 @@ def engine_settings(engine: LLMEngine, model_name: str) -> dict[str, Any]:
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "num_kv_blocks": manager.num_blocks,
         "num_cpu_blocks": manager.cpu_pool.num_blocks if manager.cpu_pool is not None else 0,
+        **weight_settings(engine),
     }
     # Resolved values first; the flags as given after, without repeating a name.
     return {**resolved, **{k: v for k, v in args.items() if k not in resolved}}
+
+
+def weight_settings(engine: LLMEngine) -> dict[str, Any]:
+    """How the weights are stored: ``quantization`` as resolved (a GGUF file's blocks kept, or not), and
+    for a GGUF file its type as llama.cpp names it (``Q4_1``) and its tensors' types."""
+    from pagellm.model.quant_linear import QuantLinear
+
+    gguf = engine.model_files.gguf
+    kept = any(isinstance(m, QuantLinear) for m in engine.model.modules())
+    out: dict[str, Any] = {"quantization": engine.args.quantization or ("gguf" if kept and gguf else "none")}
+    if gguf is not None:
+        from pagellm.model.gguf_type import gguf_types
+
+        types = gguf_types(gguf)
+        out["gguf_file_type"] = types.file_type
+        out["gguf_tensor_types"] = types.tensor_summary()
+    return out
 
 
 class Dashboard:

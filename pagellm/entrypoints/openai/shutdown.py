@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
 
@@ -76,7 +77,7 @@ class EngineServer(uvicorn.Server):
         while self.engine.num_in_flight() or self.server_state.tasks:
             if time.monotonic() >= deadline or self.force_exit:  # force_exit: a second Ctrl-C
                 aborted = self.engine.abort_all()  # and new requests are refused (503)
-                logger.warning("shutdown: %d request(s) still running after %.1f s; aborted", aborted,
+                logger.warning("shutdown: %s still running after %.1f s; aborted", plural(aborted, "request"),
                                self.shutdown_timeout)
                 return
             await asyncio.sleep(POLL_S)

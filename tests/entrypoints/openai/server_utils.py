@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,10 +19,13 @@ from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_pat
 
 
 class RemoteServer:
-    def __init__(self, model: Path, args: list[str], api_key: str | None = None, timeout: float = 120) -> None:
+    """``verify``: an HTTPS server's certificate file (the server then runs with --ssl-* flags in ``args``)."""
+
+    def __init__(self, model: Path, args: list[str], api_key: str | None = None, timeout: float = 120,
+                 verify: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model), "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -29,7 +33,8 @@ class RemoteServer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed by stop())
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         try:
-            wait_healthy(self.url, self.proc, timeout)
+            wait_healthy(self.url, self.proc, timeout, verify=ssl.create_default_context(cafile=verify) if verify
+                         else True)
         except RuntimeError as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.log()}") from e

@@ -105,7 +105,7 @@ def test_a_failed_step_fails_its_batch_only(server):
     assert "engine step failed" in str(victim)
     assert all(r[1] == "length" for r in (ok1, ok2, ok3)), (ok1, ok2, ok3)
     assert_healthy_and_idle(server)  # the victim's blocks (taken for its prefill) came back
-    assert "an engine step (1 request(s) in its batch) failed; the engine goes on" in server.log()
+    assert "an engine step (1 request in its batch) failed; the engine goes on" in server.log()
 
 
 def test_a_failing_metrics_callback_leaves_requests_and_metrics_going(server):

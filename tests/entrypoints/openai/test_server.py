@@ -307,7 +307,7 @@ BAD_INPUTS = [
      "to score a prompt with echo it must be shorter"),
     ("top_logprobs 21", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                  "logprobs": True, "top_logprobs": 21}, None, 400,
-     "top_logprobs must be an integer in [0, 20], got 21"),
+     "top_logprobs is 21, more than this server allows (--max-logprobs 20)"),
     ("max_completion_tokens 0", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}, None, 400,
      "max_completion_tokens must be an integer >= 1, got 0"),

@@ -69,6 +69,13 @@ def test_models_retrieve_head_and_405_allow(server):
     assert wrong.json()["error"]["message"] == "method not allowed on this route"
 
 
+def test_uvicorn_access_log_is_on_as_in_vllm(server):
+    # --uvicorn-log-level info shows uvicorn's access lines unless --disable-uvicorn-access-log.
+    httpx.get(server.url + "/health")
+    time.sleep(0.2)
+    assert '"GET /health HTTP/1.1" 200' in server.log()
+
+
 def test_health_answers_json(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")

@@ -1,0 +1,85 @@
+"""The answer to a request for a route this server does not have: the routes it has, a near miss
+(``/v1/completion``), and for the routes of vLLM's server that pagellm does not serve yet, which API
+they are."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from starlette.routing import BaseRoute, Route
+
+# vLLM's server routes that pagellm does not serve (yet): path -> the API it is in vLLM.
+_EMBEDDINGS = "the embeddings API (OpenAI's, for pooling models)"
+_RERANK = "the rerank API (Jina's and Cohere's, for cross-encoder models)"
+_SCORE = "the score API (sentence-pair scores, for cross-encoder and embedding models)"
+_LORA = "LoRA adapter loading (--enable-lora)"
+_DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
+VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
+    "/v1/embeddings": _EMBEDDINGS,
+    "/v1/responses": "the Responses API (OpenAI's)",
+    "/v1/messages": "the Messages API (Anthropic's)",
+    "/v1/messages/count_tokens": "the Messages API (Anthropic's)",
+    "/rerank": _RERANK,
+    "/v1/rerank": _RERANK,
+    "/v2/rerank": _RERANK,
+    "/score": _SCORE,
+    "/v1/score": _SCORE,
+    "/pooling": "the pooling API (hidden states of pooling models)",
+    "/classify": "the classification API (sequence-classification models)",
+    "/v1/load_lora_adapter": _LORA,
+    "/v1/unload_lora_adapter": _LORA,
+    "/invocations": "SageMaker's invocation route",
+    "/ping": "SageMaker's health check (this server's is GET /health)",
+    "/load": "the server-load route (this server's load is in GET /metrics)",
+    "/server_info": _DEV,
+    "/reset_prefix_cache": _DEV,
+    "/sleep": _DEV,
+    "/wake_up": _DEV,
+    "/is_sleeping": _DEV,
+    "/collective_rpc": _DEV,
+    "/start_profile": _DEV,
+    "/stop_profile": _DEV,
+    "/scale_elastic_ep": "elastic expert parallelism",
+    "/is_scaling_elastic_ep": "elastic expert parallelism",
+}
+# Path prefixes of the same (the audio APIs, a stored response and its cancellation).
+VLLM_PREFIXES_NOT_SERVED: dict[str, str] = {
+    "/v1/audio/": "the audio APIs (OpenAI's transcriptions and translations, for speech models)",
+    "/v1/responses/": "the Responses API (OpenAI's)",
+}
+# Routes served but not worth listing: the dashboard's assets, FastAPI's OAuth2 helper page.
+_UNLISTED = ("/dashboard/", "/dashboard/{name}", "/docs/oauth2-redirect")
+
+
+def served_routes(routes: Iterable[BaseRoute]) -> list[str]:
+    """``METHOD /path`` of each route served (HEAD left out where GET is there)."""
+    out = []
+    for route in routes:
+        if not isinstance(route, Route) or route.path in _UNLISTED:
+            continue
+        methods = sorted((route.methods or set()) - {"HEAD"}) or ["GET"]
+        out.append(f"{'|'.join(methods)} {route.path}")
+    return out
+
+
+def vllm_api_of(path: str) -> str | None:
+    """The vLLM API at ``path`` that pagellm does not serve, or None."""
+    stripped = path.rstrip("/") or "/"
+    if stripped in VLLM_ROUTES_NOT_SERVED:
+        return VLLM_ROUTES_NOT_SERVED[stripped]
+    return next((api for prefix, api in VLLM_PREFIXES_NOT_SERVED.items() if path.startswith(prefix)), None)
+
+
+def no_such_route(method: str, path: str, routes: list[str]) -> str:
+    """The 404's message for ``method path``, given the ``served_routes``."""
+    head = f"no such route: {method} {path}"
+    api = vllm_api_of(path)
+    if api is not None:
+        head += f" is {api} in vLLM's server, which pagellm does not serve yet"
+    else:
+        paths = sorted({r.split(" ", 1)[1] for r in routes})
+        near = difflib.get_close_matches(path.rstrip("/"), paths, n=1, cutoff=0.8)
+        if near:
+            head += f"; did you mean {near[0]}?"
+    return f"{head}. This server's routes: {', '.join(routes)}"
