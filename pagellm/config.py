@@ -104,7 +104,8 @@ class EngineArgs:
         "token budget of one engine step (default 2048, or max_model_len without chunked prefill)"))
     max_num_seqs: int = field(default=256, metadata=_flag("most sequences running at once"))
     kv_cache_memory: str | None = field(default=None, metadata=_flag(
-        "bytes for the KV cache, e.g. '2GiB' (default: 2GiB on CPU, 90%% of free memory on CUDA)"))
+        "bytes for the KV cache, e.g. '2GiB' (default on CPU: what --max-num-seqs sequences of --max-model-len "
+        "hold, at most a fifth of the host memory available after the weights; 90%% of free memory on CUDA)"))
     num_kv_blocks: int | None = field(default=None, metadata=_flag(
         "number of KV blocks; overrides --kv-cache-memory"))
     load_format: str = field(default="auto", metadata=_flag(
@@ -122,8 +123,9 @@ class EngineArgs:
         "time-to-first-token target in seconds for requests that give none (sla policy)"))
     default_tpot_slo: float | None = field(default=None, metadata=_flag(
         "time-per-output-token target in seconds for requests that give none (sla policy)"))
-    swap_space: float = field(default=4.0, metadata=_flag(
-        "GiB of host memory for the swap pool that preempted requests move to"))
+    swap_space: float | None = field(default=None, metadata=_flag(
+        "GiB of host memory for the swap pool that preempted requests move to (default: the KV cache's size, at "
+        "most a tenth of the host memory available)"))
     preemption_mode: str = field(default="auto", metadata=_flag(
         "swap, recompute, or auto (swap while the swap pool has room, else recompute)",
         choices=("auto", "swap", "recompute")))
@@ -163,8 +165,10 @@ class EngineArgs:
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "dtype of the KV cache: auto (the model's --dtype), or fp8 / fp8_e4m3 / fp8_e5m2 (one byte per element: "
         "twice the blocks of bfloat16 in the same memory; fp8 is fp8_e4m3)", choices=KV_CACHE_DTYPES))
-    calculate_kv_scales: bool = field(default=False, metadata=_flag(
-        "fp8 KV cache: each layer's K and V scales from the first prefill's largest values (default: 1.0)"))
+    calculate_kv_scales: bool | None = field(default=None, metadata=_flag(
+        "fp8 KV cache: each layer's K and V scales from the first prefill's largest values (default: on with an "
+        "fp8 cache; --no-calculate-kv-scales stores K and V unscaled, which the small values of many layers "
+        "lose to fp8's rounding)"))
     quantization: str | None = field(default=None, metadata=_flag(
         "weights: gguf keeps a GGUF file's quantized tensors in their blocks (the default for a GGUF file on "
         "CPU), none dequantizes them into --dtype; int8 (per channel) or q4_0 quantizes a 16/32-bit "
@@ -222,8 +226,9 @@ class EngineArgs:
         positive("max_num_seqs", allow_none=False)
         for name in ("default_ttft_slo", "default_tpot_slo"):
             check_slo(f"{name} (--{name.replace('_', '-')})", getattr(self, name))
-        if (not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool)
-                or not 0 <= self.swap_space < math.inf):
+        swap = self.swap_space
+        if swap is not None and (not isinstance(swap, (int, float)) or isinstance(swap, bool)
+                                 or not 0 <= swap < math.inf):
             raise ValueError(f"swap_space (--swap-space) must be a finite number of GiB >= 0, got {self.swap_space!r}")
         if (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                 or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
@@ -361,7 +366,7 @@ class EngineArgs:
             meta = dict(f.metadata)
             names = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.pop("help", None), **meta}
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name in ("kv_cache_memory", "preload_prompts"):
                 kwargs["type"] = str

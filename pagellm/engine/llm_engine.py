@@ -22,6 +22,7 @@ from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_devi
 from pagellm.engine import startup
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.phases import log_ready, phase
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.hf_overrides import apply_hf_overrides
@@ -81,7 +82,15 @@ class EngineStats:
 
 
 class LLMEngine:
+    device: torch.device
+    dtype: torch.dtype
+
     def __init__(self, args: EngineArgs) -> None:
+        with phase("starting the engine", log=False):  # (what Ctrl-C between the phases below interrupts)
+            self._start(args)
+        log_ready("the engine")
+
+    def _start(self, args: EngineArgs) -> None:
         self.args = args
         if args.model is None:
             from pagellm.model.default_model import default_model_path
@@ -90,8 +99,33 @@ class LLMEngine:
             logger.info("no model given: using the embedded default %s", path)
         else:
             path = Path(args.model)
-        self.model_files = files = loader.resolve_model_files(path)
+        with phase("reading the model files"):
+            self.model_files = files = loader.resolve_model_files(path)
         self.model_path = files.path
+        with phase("reading the config and tokenizer"):
+            self._read_config_and_tokenizer(args, files)
+        config = self.model_config
+        log_ignored_engine_args(args)
+        if args.trust_remote_code:
+            logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
+                        "model classes")
+        # Tensor parallelism: the other ranks start loading their shares while this one loads its own.
+        self.tensor_parallel: TensorParallelDriver | None = None
+        world = args.tensor_parallel_size
+        if args.node_rank > 0:
+            raise ValueError(f"node_rank {args.node_rank}: a node other than 0 runs its model shards through "
+                             "`pagellm serve ... --node-rank N`, not an engine of its own")
+        if world > 1:
+            check_shardable(config, world)
+            self.device = local_device(self.device, 0, args)
+            self.tensor_parallel = TensorParallelDriver(args, self.device, self.dtype)
+        try:
+            self._load_and_allocate(args, files, config, world)
+        except BaseException:
+            self.shutdown()  # the workers must not wait for a rank 0 that will never come
+            raise
+
+    def _read_config_and_tokenizer(self, args: EngineArgs, files: loader.ModelFiles) -> None:
         folder = files.folder
         # (EngineArgs parsed the JSON of --hf-overrides and --override-generation-config into dicts.)
         assert not isinstance(args.hf_overrides, str) and not isinstance(args.override_generation_config, str)
@@ -109,35 +143,18 @@ class LLMEngine:
         # SamplingParams fields that requests leaving them unset take (generation_config.json's).
         self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder,
                                                                args.override_generation_config)
-        if args.trust_remote_code:
-            logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
-                        "model classes")
-        log_ignored_engine_args(args)
-        # Tensor parallelism: the other ranks start loading their shares while this one loads its own.
-        self.tensor_parallel: TensorParallelDriver | None = None
-        world = args.tensor_parallel_size
-        if args.node_rank > 0:
-            raise ValueError(f"node_rank {args.node_rank}: a node other than 0 runs its model shards through "
-                             "`pagellm serve ... --node-rank N`, not an engine of its own")
-        if world > 1:
-            check_shardable(config, world)
-            self.device = local_device(self.device, 0, args)
-            self.tensor_parallel = TensorParallelDriver(args, self.device, self.dtype)
-        try:
-            self._load_and_allocate(args, files, config, world)
-        except BaseException:
-            self.shutdown()  # the workers must not wait for a rank 0 that will never come
-            raise
 
     def _load_and_allocate(self, args: EngineArgs, files: loader.ModelFiles, config: Any, world: int) -> None:
-        self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format, self.max_model_len,
-                                       tensor_parallel=(0, world) if world > 1 else None,
-                                       quantization=args.quantization)
+        with phase("loading the weights"):
+            self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format,
+                                           self.max_model_len, tensor_parallel=(0, world) if world > 1 else None,
+                                           quantization=args.quantization)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
         # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)
-        self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
-            args, self.model.config, self.dtype, self.device, self.max_model_len)
+        with phase("allocating the KV cache"):
+            self.cache_engine, self.kv_cache_manager, self.max_model_len = startup.allocate_kv_cache(
+                args, self.model.config, self.dtype, self.device, self.max_model_len)
         if self.tensor_parallel is not None:
             # (In blocks of every layer: each rank splits them between its KV cache groups alike.)
             self.tensor_parallel.share_kv_cache_size(self.cache_engine.num_blocks, self.max_model_len)
@@ -166,10 +183,11 @@ class LLMEngine:
         # Constrained decoding; the grammar engine loads with the first constrained request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                          self.max_model_len)
-        self.model_runner = ModelRunner(
-            self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
-            structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
-        )
+        with phase("preparing the model runner"):
+            self.model_runner = ModelRunner(
+                self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
+                structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
+            )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
                                               self.eos_token_ids, structured_output=self.structured_output,
                                               max_logprobs=args.max_logprobs)

@@ -95,6 +95,30 @@ class KVCacheSizing:
 # ----------------------------------------------------------------------------------------- weights
 
 
+# The CPU defaults where --kv-cache-memory / --swap-space are not given: shares of the host memory
+# available once the weights are loaded. The pools are mapped lazily (worker/cpu_tuning.py), so a
+# generous pool costs memory only as its blocks are used.
+DEFAULT_KV_SHARE = 0.2
+DEFAULT_SWAP_SHARE = 0.1
+
+
+def default_kv_cache_bytes(kv: KVCacheSizing, max_model_len: int, max_num_seqs: int, available: int) -> int:
+    """The KV pool a CPU engine takes by default: what ``max_num_seqs`` sequences of ``max_model_len``
+    could ever hold, but at most ``DEFAULT_KV_SHARE`` of the ``available`` host memory; raised to one
+    whole sequence of ``max_model_len`` where that takes at most half of it."""
+    one_sequence = kv.blocks_for(max_model_len) * kv.bytes_per_block
+    budget = min(max_num_seqs * one_sequence, int(available * DEFAULT_KV_SHARE))
+    if budget < one_sequence <= available // 2:
+        budget = one_sequence
+    return budget
+
+
+def default_swap_bytes(kv_pool_bytes: int, available: int) -> int:
+    """The swap pool a CPU engine takes by default: as large as the KV pool, but at most
+    ``DEFAULT_SWAP_SHARE`` of the ``available`` host memory."""
+    return min(kv_pool_bytes, int(available * DEFAULT_SWAP_SHARE))
+
+
 @dataclass(frozen=True)
 class WeightTensor:
     """One tensor of a checkpoint: its name (Hugging Face's or GGUF's), elements and bytes in the file."""

@@ -13,7 +13,12 @@ import torch
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.kv_groups import HybridKVCacheManager, KVCacheGroupSpec, split_kv_blocks
-from pagellm.engine.sizing import KVCacheSizing
+from pagellm.engine.sizing import (
+    DEFAULT_KV_SHARE,
+    KVCacheSizing,
+    default_kv_cache_bytes,
+    default_swap_bytes,
+)
 from pagellm.model.gemma import kv_groups_of
 from pagellm.model.llama import sliding_window_of
 from pagellm.worker.cache_engine import CacheEngine, kv_cache_dtype
@@ -21,7 +26,6 @@ from pagellm.worker.cpu_tuning import available_host_memory
 
 logger = logging.getLogger("pagellm.engine.llm_engine")
 
-DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 # A tokenizer folder holds one of these (the first three are what users are told to provide; the
 # last two are the files of older byte-level BPE and SentencePiece tokenizers).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
@@ -70,26 +74,40 @@ def eos_token_ids(folder: Path, config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def kv_budget_bytes(args: EngineArgs, device: torch.device) -> int:
+def kv_budget_bytes(args: EngineArgs, device: torch.device, sizing: KVCacheSizing, max_model_len: int) -> int:
     """Bytes for the KV cache: --kv-cache-memory, else --gpu-memory-utilization of what is available
-    now that the model is loaded, else 2 GiB on a CPU and 90% of free memory on CUDA."""
+    now that the model is loaded, else on a CPU the default share of that (sizing.default_kv_cache_bytes)
+    and 90% of free memory on CUDA."""
     utilization = args.gpu_memory_utilization
     if args.kv_cache_memory is not None:
         return parse_memory(args.kv_cache_memory)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * (utilization if utilization is not None else 0.9))
+    # Shared by this host's tensor-parallel processes, each with a pool of its own.
+    local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
+    available = available_host_memory() // local_ranks
     if utilization is not None:
         # vLLM's flag on a CPU: a share of the host memory still available now that the model is loaded.
-        # Shared by this host's tensor-parallel processes, each with a pool of its own.
-        local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
-        available = available_host_memory()
-        budget = int(available * utilization) // local_ranks
+        budget = int(available * utilization)
         logger.info("--gpu-memory-utilization %.2f of the %.1f GiB of host memory available: %.1f GiB for the "
-                    "KV cache%s", utilization, available / 2**30, budget / 2**30,
+                    "KV cache%s", utilization, available * local_ranks / 2**30, budget / 2**30,
                     f" of each of this host's {local_ranks} processes" if local_ranks > 1 else "")
         return budget
-    return DEFAULT_CPU_KV_MEMORY
+    budget = default_kv_cache_bytes(sizing, max_model_len, args.max_num_seqs, available)
+    logger.info("KV cache sized for this machine: %.2f GiB of the %.1f GiB of host memory available (the most "
+                "%d sequences of %d tokens hold, at most %d%%); --kv-cache-memory sets it", budget / 2**30,
+                available / 2**30, args.max_num_seqs, max_model_len, round(DEFAULT_KV_SHARE * 100))
+    return budget
+
+
+def swap_bytes(args: EngineArgs, kv_pool_bytes: int) -> int:
+    """Bytes for the swap pool: --swap-space, else as large as the KV pool, at most the default share
+    of the host memory available (sizing.default_swap_bytes)."""
+    if args.swap_space is not None:
+        return int(args.swap_space * 2**30)
+    local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
+    return default_swap_bytes(kv_pool_bytes, available_host_memory() // local_ranks)
 
 
 def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device: torch.device,
@@ -104,7 +122,8 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
     kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_layers, num_kv_heads, head_dim = sizing.num_layers, sizing.num_kv_heads, sizing.head_dim
     block_bytes = sizing.bytes_per_block
-    num_blocks = args.num_kv_blocks if args.num_kv_blocks is not None else kv_budget_bytes(args, device) // block_bytes
+    num_blocks = (args.num_kv_blocks if args.num_kv_blocks is not None
+                  else kv_budget_bytes(args, device, sizing, max_model_len) // block_bytes)
     needed = cdiv(max_model_len, args.block_size)
     if num_blocks < needed and args.max_model_len is None and num_blocks > 0:
         capped = num_blocks * args.block_size
@@ -123,7 +142,7 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
         num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
         str(kv_dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
     )
-    num_cpu_blocks = int(args.swap_space * 2**30) // block_bytes
+    num_cpu_blocks = swap_bytes(args, num_blocks * block_bytes) // block_bytes
     groups = kv_cache_groups(config)
     group_blocks = group_cpu_blocks = layer_groups = None
     if groups is not None:

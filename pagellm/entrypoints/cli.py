@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:  # the input was fine; the run could not go on
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: say what was stopped, not where Python was
+        from pagellm.engine.phases import current
+
+        phase = current()
+        print(f"\npagellm: interrupted{f' while {phase}' if phase else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ from typing import Any
 from pagellm.config import DTYPE_CHOICES, EngineArgs, parse_memory
 from pagellm.text import plural
 
-# The engine's KV budget on a CPU when --kv-cache-memory is not given (startup.DEFAULT_CPU_KV_MEMORY).
-DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # Per process, besides weights and KV: the Python runtime, torch, the tokenizer, the server and a
 # step's activations. Measured: 0.85 GiB of RSS for `pagellm serve` on SmolLM2-135M (float32) after a
 # 1,500-token prompt, less its weights and KV pool; rounded up.
@@ -82,8 +80,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face model folder (config.json; *.safetensors if present) or .gguf file "
                         "(default: the embedded default model)")
-    p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
-                   help="KV cache bytes per rank (per device, as vLLM's kv_cache_memory_bytes), e.g. '8GiB'")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache bytes per rank (per device, as vLLM's kv_cache_memory_bytes), e.g. '8GiB' (default: "
+                        "as the engine sizes it on this machine: what --max-num-seqs sequences of --max-model-len "
+                        "hold, at most a fifth of the host memory available after the weights)")
     p.add_argument("--max-model-len", "--max-seq-len", dest="max_model_len", type=int, default=None,
                    help="longest sequence in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
@@ -98,9 +98,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's cap on sequences running at once")
     p.add_argument("--mean-len", type=int, default=None, metavar="N",
                    help="mean sequence length (prompt + output) of the workload, for a second concurrency figure")
-    p.add_argument("--swap-space", type=float, default=4.0,
-                   help="GiB of host memory per rank for swapped-out KV blocks (the engine's flag; 0 on a CPU "
-                        "deployment, where swapping saves nothing)")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of host memory per rank for swapped-out KV blocks (the engine's flag; default as the "
+                        "engine sizes it on this machine: the KV cache's size, at most a tenth of the host memory "
+                        "available)")
     p.add_argument("--overhead", default=DEFAULT_OVERHEAD,
                    help="memory per process besides weights, KV and swap: runtime, tokenizer, activations")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -131,16 +132,16 @@ def _positive(flag: str, value: Any) -> None:
         raise ValueError(f"{flag} must be a positive integer, got {value!r}")
 
 
-def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY,
+def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str | None = None,
               max_model_len: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
               dtype: str = "auto", device: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
-              mean_len: int | None = None, swap_space: float = 4.0,
+              mean_len: int | None = None, swap_space: float | None = None,
               overhead: int | str = DEFAULT_OVERHEAD) -> Plan:
     """The plan for ``model`` (None: the embedded default); ValueError / FileNotFoundError naming the flag."""
     # Every flag is checked before the model is read (a GGUF file's first read takes seconds).
     from pagellm.engine.sizing import KV_CACHE_DTYPES
 
-    budget = _memory("--kv-cache-memory", kv_cache_memory)
+    asked_budget = _memory("--kv-cache-memory", kv_cache_memory) if kv_cache_memory is not None else None
     overhead_bytes = _memory("--overhead", overhead)
     for flag, value in (("--max-model-len", max_model_len), ("--tensor-parallel-size", tensor_parallel_size),
                         ("--max-num-seqs", max_num_seqs), ("--mean-len", mean_len)):
@@ -153,7 +154,8 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
         raise ValueError(f"--dtype {dtype!r} is not known: use one of {', '.join(DTYPE_CHOICES)}")
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not 0 <= swap_space < math.inf:
+    if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float))
+                                   or not 0 <= swap_space < math.inf):
         raise ValueError(f"--swap-space must be a finite number of GiB >= 0, got {swap_space!r}")
 
     import torch
@@ -162,6 +164,7 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
     from pagellm.model import loader
     from pagellm.model.llama import head_dim_of, sliding_window_of
     from pagellm.model.registry import model_class_for
+    from pagellm.worker.cpu_tuning import available_host_memory
 
     if model is None:
         from pagellm.model.default_model import default_model_path
@@ -203,6 +206,14 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
     weights = sizing.WeightSizing.from_tensors(tensors, compute_dtype, num_heads, num_kv_heads, tensor_parallel_size)
 
     notes = []
+    # What the engine would find available on this machine once its weights are loaded.
+    available = max(0, available_host_memory() - weights.bytes_per_rank)
+    if asked_budget is None:
+        budget = sizing.default_kv_cache_bytes(kv, max_len, max_num_seqs, available)
+        notes.append(f"the KV cache is sized as the engine sizes it on this machine, {_size(available)} of host "
+                     "memory available after the weights: give --kv-cache-memory to plan for another machine")
+    else:
+        budget = asked_budget
     num_blocks = kv.num_blocks(budget)
     needed = kv.blocks_for(max_len)
     if num_blocks < needed and max_model_len is None and num_blocks > 0:
@@ -213,7 +224,7 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
         max_len, needed = num_blocks * block_size, num_blocks
     if num_blocks < needed:
         raise ValueError(
-            f"--kv-cache-memory {kv_cache_memory} holds {plural(num_blocks, 'block')} "
+            f"--kv-cache-memory {kv_cache_memory or _size(budget)} holds {plural(num_blocks, 'block')} "
             f"({plural(num_blocks * block_size, 'token')}) of {plural(kv.bytes_per_block, 'byte')}, but one sequence "
             f"of max_model_len={max_len} needs {plural(needed, 'block')}: the "
             "engine would not start; raise --kv-cache-memory or lower --max-model-len")
@@ -232,7 +243,8 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str = D
         notes.append("per rank: embeddings, LM head and norms counted whole on every rank (an upper bound)")
 
     pool = num_blocks * kv.bytes_per_block
-    swap = int(swap_space * GiB) // kv.bytes_per_block * kv.bytes_per_block
+    swap_bytes = int(swap_space * GiB) if swap_space is not None else sizing.default_swap_bytes(pool, available)
+    swap = swap_bytes // kv.bytes_per_block * kv.bytes_per_block
     request = tensor_parallel_size * (weights.bytes_per_rank + pool + swap + overhead_bytes)
     request_mib = -(-request // MiB)
     return Plan(

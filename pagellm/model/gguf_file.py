@@ -174,14 +174,11 @@ def check_tensor_types(header: GGUFHeader, gguf_path: Path) -> None:
                          f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
 
 
-# Tensor types that hold floats as they are (every other type is quantized blocks).
-FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16", "F64")
-
-
 def quantized_types(gguf_path: Path) -> Counter[str]:
     """How many of the file's tensors have each quantized type (empty for a file of floats)."""
-    names = (_type_name(t.type) for t in read_header(gguf_path).tensors)
-    return Counter(name for name in names if name not in FLOAT_TENSOR_TYPES)
+    from pagellm.model.gguf_type import FLOAT_TYPES, gguf_types
+
+    return Counter({name: n for name, n in gguf_types(gguf_path).tensor_types.items() if name not in FLOAT_TYPES})
 
 
 def _keeps_blocks(hf_name: str | None, tensor: TensorInfo) -> bool:

@@ -117,9 +117,25 @@ class _Cursor:
             # Every string or array item takes at least 8 bytes: a count the file cannot hold fails here,
             # not after looping over it.
             self.need(count * 8, f"{what} ({count} items of type {item})")
+            if item == STRING and not keep:
+                self._skip_strings(count, what)
+                return None
             values = [self.value(item, f"{what}[{i}]", keep) for i in range(count)]
             return values if keep else None
         raise _Defect(f"{what} has unknown value type {kind}")
+
+
+    def _skip_strings(self, count: int, what: str) -> None:
+        """Step over ``count`` strings (a vocabulary: tens of thousands, so in one tight loop)."""
+        length_at = struct.Struct(self.order + "Q").unpack_from
+        buf, size, pos = self.buf, self.size, self.pos
+        for i in range(count):
+            if pos + 8 > size:
+                raise _Defect(f"{what}[{i}] runs past the end of the file ({size} bytes)")
+            pos += 8 + length_at(buf, pos)[0]
+        if pos > size:
+            raise _Defect(f"{what}[{count - 1}] runs past the end of the file ({size} bytes)")
+        self.pos = pos
 
 
 class _Defect(Exception):

@@ -18,6 +18,7 @@ def llm(llama_path):
     return LLM(str(llama_path), max_model_len=128, num_kv_blocks=64)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(embedded_gguf_path() is None,
                     reason=f"the embedded model is not installed: {DEFAULT_MODEL_INSTALL}")
 def test_the_default_model_is_smollm2_and_answers_in_english():

@@ -33,6 +33,7 @@ from pagellm.config import EngineArgs, parse_memory
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
+from pagellm.engine.phases import log_ready
 from pagellm.engine.stats_logger import StatsLogger
 from pagellm.entrypoints.openai.cli_args import IGNORED_SERVER_FLAGS, api_keys_from_env
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
@@ -215,6 +216,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         logger.info("serving %s (max_model_len=%d)", model_name, engine.max_model_len)
+        log_ready("the server")
         try:
             yield
         finally:

@@ -1,0 +1,29 @@
+"""Ctrl-C while a command is loading its model: one line saying what was interrupted, exit status 130,
+no traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def test_ctrl_c_during_loading_names_the_phase_without_a_traceback(llama_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "generate", "--model", str(llama_path),
+                             "--max-tokens", "4", "--num-kv-blocks", "16", "--max-model-len", "64"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 300
+    for line in proc.stderr:  # the first phase's line: loading has begun
+        lines.append(line)
+        if "start-up: reading the model files took" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(lines) + rest
+    assert proc.returncode == 130, err
+    assert "pagellm: interrupted while " in err and "Traceback" not in err and "KeyboardInterrupt" not in err
