@@ -33,9 +33,10 @@ def test_zeros_on_huge_pages_is_a_zeroed_tensor():
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
-def test_kv_pools_sit_on_huge_pages():
+def test_kv_pools_sit_on_huge_pages_once_written():
     engine = CacheEngine(num_layers=1, num_blocks=512, block_size=16, num_kv_heads=8, head_dim=64,
                          dtype=torch.bfloat16, device=torch.device("cpu"))  # 8 MiB per pool
     for pool in engine.kv_caches[0]:
-        assert not pool.any()  # zeros, and already paged in
+        assert not pool.any()  # zeros before any block is written
+        pool.fill_(1)  # pages are taken as blocks are written: huge ones
         assert _huge_kib_at(pool.data_ptr()) >= 4096  # at least two of its 2 MiB pages are huge
