@@ -105,7 +105,8 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata=_flag("most sequences running at once"))
     kv_cache_memory: str | None = field(default=None, metadata=_flag(
         "bytes for the KV cache, e.g. '2GiB' (default on CPU: what --max-num-seqs sequences of --max-model-len "
-        "hold, at most a fifth of the host memory available after the weights; 90%% of free memory on CUDA)"))
+        "hold, at most a fifth of the host memory available after the weights, but one whole sequence where that "
+        "takes at most half; 90%% of free memory on CUDA)"))
     num_kv_blocks: int | None = field(default=None, metadata=_flag(
         "number of KV blocks; overrides --kv-cache-memory"))
     load_format: str = field(default="auto", metadata=_flag(
@@ -124,8 +125,8 @@ class EngineArgs:
     default_tpot_slo: float | None = field(default=None, metadata=_flag(
         "time-per-output-token target in seconds for requests that give none (sla policy)"))
     swap_space: float | None = field(default=None, metadata=_flag(
-        "GiB of host memory for the swap pool that preempted requests move to (default: the KV cache's size, at "
-        "most a tenth of the host memory available)"))
+        "GiB of host memory for the swap pool that preempted requests move to (default on CPU: the KV cache's "
+        "size, at most a tenth of the host memory available; 4 on CUDA)"))
     preemption_mode: str = field(default="auto", metadata=_flag(
         "swap, recompute, or auto (swap while the swap pool has room, else recompute)",
         choices=("auto", "swap", "recompute")))
@@ -145,8 +146,8 @@ class EngineArgs:
     # pagellm cannot honour.
     gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
         "share of the memory available after loading the model (on a CPU: of the host's) given to the KV "
-        "cache, in (0, 1]; --kv-cache-memory and --num-kv-blocks take precedence (default: 2GiB on CPU, 0.9 "
-        "of free memory on CUDA)"))
+        "cache, in (0, 1]; --kv-cache-memory and --num-kv-blocks take precedence (default: on CPU the "
+        "--kv-cache-memory default, 0.9 of free memory on CUDA)"))
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         "processes the model is split over (attention heads and MLP columns; torch.distributed, gloo on "
         "CPU, NCCL on CUDA)", "-tp"))
@@ -328,6 +329,11 @@ class EngineArgs:
                                   or not all(isinstance(n, str) and n for n in names)):
             raise ValueError("served_model_name (--served-model-name) must be a non-empty string or a list of them, "
                              f"got {self.served_model_name!r}")
+
+    @property
+    def local_world_size(self) -> int:
+        """The tensor-parallel ranks on this host (they share its memory and cores)."""
+        return max(1, self.tensor_parallel_size // self.nnodes)
 
     def step_token_budget(self, max_model_len: int) -> int:
         """The token budget of one engine step once ``max_model_len`` is known; ValueError naming the

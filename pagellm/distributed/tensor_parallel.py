@@ -60,7 +60,7 @@ def free_port() -> int:
 
 
 def local_world_size(args: EngineArgs) -> int:
-    return args.tensor_parallel_size // args.nnodes
+    return args.local_world_size
 
 
 def threads_per_rank(args: EngineArgs) -> int:
@@ -162,9 +162,10 @@ class TensorParallelDriver:
             time.sleep(0.05)
         return init_rank(self.args, 0, device, store)
 
-    def share_kv_cache_size(self, num_blocks: int, max_model_len: int) -> None:
-        """Tell the workers the KV pool every rank allocates (what rank 0's memory settings gave)."""
-        self._broadcast(torch.tensor([num_blocks, max_model_len], dtype=torch.int64))
+    def share_kv_cache_size(self, num_blocks: int, max_model_len: int, num_cpu_blocks: int) -> None:
+        """Tell the workers the KV and swap pools every rank allocates (what rank 0's memory settings and
+        the memory it found gave: block ids must mean the same on every rank)."""
+        self._broadcast(torch.tensor([num_blocks, max_model_len, num_cpu_blocks], dtype=torch.int64))
         self.started = True
 
     def check_workers(self) -> None:
@@ -240,11 +241,11 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     max_model_len = resolve_max_model_len(config, args.max_model_len)
     model = loader.load_model(files, config, dtype, device, args.load_format, max_model_len,
                               tensor_parallel=(rank, args.tensor_parallel_size))
-    sizes = torch.zeros(2, dtype=torch.int64)
+    sizes = torch.zeros(3, dtype=torch.int64)
     dist.broadcast(sizes, src=0, group=group)
-    num_blocks, max_model_len = sizes.tolist()
+    num_blocks, max_model_len, num_cpu_blocks = sizes.tolist()
     sized = dataclasses.replace(args, num_kv_blocks=num_blocks, max_model_len=max_model_len)
-    cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len)
+    cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len, num_cpu_blocks)
     runner = ModelRunner(model, cache_engine, Sampler([], device, args.seed), device,
                          sliding_window=sliding_window_of(config), calculate_kv_scales=args.calculate_kv_scales)
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)

@@ -157,7 +157,8 @@ class LLMEngine:
                 args, self.model.config, self.dtype, self.device, self.max_model_len)
         if self.tensor_parallel is not None:
             # (In blocks of every layer: each rank splits them between its KV cache groups alike.)
-            self.tensor_parallel.share_kv_cache_size(self.cache_engine.num_blocks, self.max_model_len)
+            self.tensor_parallel.share_kv_cache_size(self.cache_engine.num_blocks, self.max_model_len,
+                                                     self.cache_engine.num_cpu_blocks)
         # A longrope model computes a sequence again when it outgrows its short factors.
         switch_length = longrope_switch_length(config, self.max_model_len)
         self.kv_cache_manager.switch_length = switch_length

@@ -21,6 +21,9 @@ def phase(name: str, log: bool = True) -> Iterator[None]:
     """Run a start-up phase (``name``: what it does, e.g. "loading the weights"), then log its time
     (unless ``log`` is False: a phase that only names the moments between its inner ones)."""
     global _current, _interrupted
+    if _current is None:  # a new start-up (another engine in this process): forget the last one's
+        _times.clear()
+        _interrupted = None
     outer, _current = _current, name
     t0 = time.perf_counter()
     try:

@@ -26,6 +26,8 @@ from pagellm.worker.cpu_tuning import available_host_memory
 
 logger = logging.getLogger("pagellm.engine.llm_engine")
 
+CUDA_SWAP_BYTES = 4 * 2**30  # vLLM's --swap-space default
+
 # A tokenizer folder holds one of these (the first three are what users are told to provide; the
 # last two are the files of older byte-level BPE and SentencePiece tokenizers).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
@@ -85,7 +87,7 @@ def kv_budget_bytes(args: EngineArgs, device: torch.device, sizing: KVCacheSizin
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * (utilization if utilization is not None else 0.9))
     # Shared by this host's tensor-parallel processes, each with a pool of its own.
-    local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
+    local_ranks = args.local_world_size
     available = available_host_memory() // local_ranks
     if utilization is not None:
         # vLLM's flag on a CPU: a share of the host memory still available now that the model is loaded.
@@ -96,26 +98,31 @@ def kv_budget_bytes(args: EngineArgs, device: torch.device, sizing: KVCacheSizin
         return budget
     budget = default_kv_cache_bytes(sizing, max_model_len, args.max_num_seqs, available)
     logger.info("KV cache sized for this machine: %.2f GiB of the %.1f GiB of host memory available (the most "
-                "%d sequences of %d tokens hold, at most %d%%); --kv-cache-memory sets it", budget / 2**30,
-                available / 2**30, args.max_num_seqs, max_model_len, round(DEFAULT_KV_SHARE * 100))
+                "%d sequences of %d tokens hold, at most %d%%, but one whole sequence where it fits in half); "
+                "--kv-cache-memory sets it", budget / 2**30, available / 2**30, args.max_num_seqs, max_model_len,
+                round(DEFAULT_KV_SHARE * 100))
     return budget
 
 
-def swap_bytes(args: EngineArgs, kv_pool_bytes: int) -> int:
-    """Bytes for the swap pool: --swap-space, else as large as the KV pool, at most the default share
-    of the host memory available (sizing.default_swap_bytes)."""
+def swap_bytes(args: EngineArgs, device: torch.device, kv_pool_bytes: int) -> int:
+    """Bytes for the swap pool: --swap-space; else on a CPU as large as the KV pool, at most the default
+    share of the host memory available (sizing.default_swap_bytes), and on CUDA vLLM's 4 GiB (pinned
+    host memory, taken at start-up)."""
     if args.swap_space is not None:
         return int(args.swap_space * 2**30)
-    local_ranks = max(1, args.tensor_parallel_size // args.nnodes)
-    return default_swap_bytes(kv_pool_bytes, available_host_memory() // local_ranks)
+    if device.type == "cuda":
+        return CUDA_SWAP_BYTES
+    return default_swap_bytes(kv_pool_bytes, available_host_memory() // args.local_world_size)
 
 
 def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device: torch.device,
-                      max_model_len: int) -> tuple[CacheEngine, KVCacheManager, int]:
+                      max_model_len: int, num_cpu_blocks: int | None = None
+                      ) -> tuple[CacheEngine, KVCacheManager, int]:
     """The KV tensors (device pool and swap pool), the manager of their blocks, sized from the
     memory settings, and the max_model_len they serve: the model's own limit is lowered to what the
     pool holds when --max-model-len was not given (with a log line); ValueError naming the flags
-    when an asked max_model_len does not fit or the allocator refuses."""
+    when an asked max_model_len does not fit or the allocator refuses. ``num_cpu_blocks``: the swap pool's
+    size where rank 0 of a tensor-parallel engine decided it (every rank must hold the same blocks)."""
     # The same arithmetic as `pagellm plan` (engine/sizing.py). ``config`` is this rank's: under tensor
     # parallelism the model's sharded config, whose KV heads already are its share, so no split here.
     sizing = KVCacheSizing.for_model(config, args.block_size, dtype, args.kv_cache_dtype)
@@ -142,7 +149,8 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
         num_blocks, args.block_size, num_blocks * args.block_size, num_blocks * block_bytes / 2**20,
         str(kv_dtype).replace("torch.", ""), max_model_len, num_blocks / needed,
     )
-    num_cpu_blocks = swap_bytes(args, num_blocks * block_bytes) // block_bytes
+    if num_cpu_blocks is None:
+        num_cpu_blocks = swap_bytes(args, device, num_blocks * block_bytes) // block_bytes
     groups = kv_cache_groups(config)
     group_blocks = group_cpu_blocks = layer_groups = None
     if groups is not None:

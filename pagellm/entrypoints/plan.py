@@ -206,14 +206,23 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str | N
     weights = sizing.WeightSizing.from_tensors(tensors, compute_dtype, num_heads, num_kv_heads, tensor_parallel_size)
 
     notes = []
-    # What the engine would find available on this machine once its weights are loaded.
-    available = max(0, available_host_memory() - weights.bytes_per_rank)
-    if asked_budget is None:
+    # What each rank of the engine would find available on this machine once its weights are loaded
+    # (the ranks of a tensor-parallel engine share the host, as in startup.kv_budget_bytes).
+    available = max(0, available_host_memory() // tensor_parallel_size - weights.bytes_per_rank)
+    if asked_budget is not None:
+        budget = asked_budget
+    elif target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: give --kv-cache-memory (the engine takes 0.9 of the device's free "
+                             "memory by default, and this machine has no CUDA device to measure)")
+        budget = int(max(0, torch.cuda.mem_get_info()[0] - weights.bytes_per_rank) * 0.9)
+        notes.append("the KV cache is sized as the engine sizes it on this machine's CUDA device: give "
+                     "--kv-cache-memory to plan for another machine")
+    else:
         budget = sizing.default_kv_cache_bytes(kv, max_len, max_num_seqs, available)
         notes.append(f"the KV cache is sized as the engine sizes it on this machine, {_size(available)} of host "
-                     "memory available after the weights: give --kv-cache-memory to plan for another machine")
-    else:
-        budget = asked_budget
+                     "memory available to each rank after its weights: give --kv-cache-memory to plan for another "
+                     "machine")
     num_blocks = kv.num_blocks(budget)
     needed = kv.blocks_for(max_len)
     if num_blocks < needed and max_model_len is None and num_blocks > 0:
@@ -243,7 +252,8 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str | N
         notes.append("per rank: embeddings, LM head and norms counted whole on every rank (an upper bound)")
 
     pool = num_blocks * kv.bytes_per_block
-    swap_bytes = int(swap_space * GiB) if swap_space is not None else sizing.default_swap_bytes(pool, available)
+    swap_bytes = (int(swap_space * GiB) if swap_space is not None else 4 * GiB if target.type == "cuda"
+                  else sizing.default_swap_bytes(pool, available))
     swap = swap_bytes // kv.bytes_per_block * kv.bytes_per_block
     request = tensor_parallel_size * (weights.bytes_per_rank + pool + swap + overhead_bytes)
     request_mib = -(-request // MiB)

@@ -37,8 +37,9 @@ _HIDES: dict[str, tuple[str, ...]] = {
     "avx512_vnni": ("avx512_vnni", "avx512_bf16", *_AMX),
     "avx_vnni": ("avx_vnni",),
     "avx2": ("avx2", "avx_vnni", *_AVX512, *_AMX),
-    "fma": ("fma",),
-    "f16c": ("f16c",),
+    # x86-64-v3 goes together: ATen's AVX2 kernels and oneDNN's need FMA, the kernels' AVX2 paths F16C.
+    "fma": ("fma", "avx2", "avx_vnni", *_AVX512, *_AMX),
+    "f16c": ("f16c", "avx2", "avx_vnni", *_AVX512, *_AMX),
 }
 # The flags' GCC switches: compiled with -march=native, the C kernels would otherwise still use them.
 _GCC_OFF = {
@@ -52,8 +53,8 @@ _ONEDNN_LEVELS = (
     ("AVX512_CORE_BF16", ("avx512_bf16", "avx512_vnni", "avx512f", "avx512bw", "avx512vl")),
     ("AVX512_CORE_VNNI", ("avx512_vnni", "avx512f", "avx512bw", "avx512vl")),
     ("AVX512_CORE", ("avx512f", "avx512bw", "avx512vl")),
-    ("AVX2_VNNI", ("avx2", "avx_vnni")),
-    ("AVX2", ("avx2",)),
+    ("AVX2_VNNI", ("avx2", "fma", "avx_vnni")),
+    ("AVX2", ("avx2", "fma")),
     ("AVX", ("avx",)),
     ("SSE41", ()),
 )
@@ -123,4 +124,4 @@ def configure_torch_dispatch() -> None:
     os.environ.setdefault("DNNL_MAX_CPU_ISA", isa)
     visible = cpu_flags()
     os.environ.setdefault("ATEN_CPU_CAPABILITY",
-                          "avx512" if "avx512f" in visible else "avx2" if "avx2" in visible else "default")
+                          "avx512" if "avx512f" in visible else "avx2" if {"avx2", "fma"} <= visible else "default")

@@ -85,7 +85,10 @@ def _cache_root() -> Path:
 def prepared_folder(gguf_path: Path) -> Path:
     """The folder with the file's config, tokenizer and generation config, built on first use."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARED_FORMAT}".encode())
+    from transformers import __version__ as transformers_version  # its GGUF reader and name map made the folder
+
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{PREPARED_FORMAT}|"
+                         f"{transformers_version}".encode())
     target = _cache_root() / f"{gguf_path.stem}-{key.hexdigest()[:16]}"
     if (target / "config.json").is_file() and (target / WEIGHTS_MAP_FILE).is_file():
         return target
@@ -137,7 +140,7 @@ def _write_prepared(gguf_path: Path, out: Path) -> None:
     stops = sorted({int(v) for key in END_OF_GENERATION_KEYS if isinstance(v := header.fields.get(key), int)})
     generation = {"eos_token_id": stops} if stops else {}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    weights_map = {"architecture": arch, "names": _weights_map(config, arch)}
+    weights_map = {"architecture": arch, "num_layers": config.num_hidden_layers, "names": _weights_map(config, arch)}
     (out / WEIGHTS_MAP_FILE).write_text(json.dumps(weights_map, indent=1) + "\n")
 
 
@@ -165,7 +168,11 @@ def _type_name(kind: int) -> str:
 
 
 def check_tensor_types(header: GGUFHeader, gguf_path: Path) -> None:
-    """ValueError naming the tensors whose types the dequantizers do not take, and the ones they do."""
+    """ValueError naming the tensors whose types the dequantizers do not take, and the ones they do (and
+    for a big-endian file, whose numbers the dequantizers and kernels would read byte-swapped)."""
+    if header.byte_order == ">":
+        raise ValueError(f"{gguf_path.name} is a big-endian GGUF file: pagellm reads little-endian files, "
+                         "the byte order llama.cpp's converter writes by default")
     bad = [f"{t.name} ({_type_name(t.type)})" for t in header.tensors
            if _type_name(t.type) not in SUPPORTED_TENSOR_TYPES]
     if bad:
@@ -203,6 +210,9 @@ def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype, keep_quant
     check_tensor_types(header, gguf_path)
     prepared = json.loads((prepared_folder(gguf_path) / WEIGHTS_MAP_FILE).read_text())
     name_map: dict[str, str] = prepared["names"]
+    if config.num_hidden_layers != prepared.get("num_layers"):
+        # --hf-overrides changed the model's shape: the file's extra layers must map to nothing.
+        name_map = _weights_map(config, prepared["architecture"])
     processor = _processor(prepared["architecture"], config)
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     # Processors of MoE files put the experts straight into parsed["tensors"], gate and up of a layer

@@ -4,9 +4,12 @@
 hundreds of thousands of them: seconds on every start) and, on a malformed file, fails with whatever
 numpy raised (an ``IndexError`` deep inside). This reader walks the header with ``struct`` over a
 memory map, skips the values it is not asked for, bounds every count and length by the bytes left,
-and reports any defect as one ``ValueError`` naming the file, the offset and the field. A file it
-accepts is one ``GGUFReader`` and transformers can read; the engine reads the weights through its
-tensor table (``tensor_view``) without building a ``GGUFReader`` at all.
+and reports any defect as one ``ValueError`` naming the file, the offset and the field. It refuses what
+gguf's own reader refuses (a repeated key or tensor name, an alignment that is not a uint32 power of
+two) and more (counts, lengths and offsets past the end of the file, arrays nested without end);
+what it does not judge (a vocabulary's text) is left to transformers, whose errors the loader reports
+the same way. The engine reads the weights through its tensor table (``tensor_view``) without
+building a ``GGUFReader`` at all.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 # Metadata value types -> struct codes of their fixed sizes (8 string, 9 array: read apart).
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-STRING, ARRAY = 8, 9
+UINT32, STRING, ARRAY = 4, 8, 9
+# Arrays of arrays deeper than this are refused (a file could nest them until Python's stack ends).
+MAX_ARRAY_DEPTH = 8
 # Unquantized tensor types -> numpy element types (the rest are blocks of bytes).
 _PLAIN_TYPES = {0: "f4", 1: "f2", 24: "i1", 25: "i2", 26: "i4", 27: "i8", 28: "f8"}
 
@@ -85,7 +90,7 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise _Defect(f"{what} is not UTF-8 text ({e})") from None
 
-    def value(self, kind: int, what: str, keep: bool) -> Any:
+    def value(self, kind: int, what: str, keep: bool, depth: int = 0) -> Any:
         """The value of a metadata type (returned where ``keep``, else skipped)."""
         if kind in SCALARS:
             if keep:
@@ -120,7 +125,9 @@ class _Cursor:
             if item == STRING and not keep:
                 self._skip_strings(count, what)
                 return None
-            values = [self.value(item, f"{what}[{i}]", keep) for i in range(count)]
+            if item == ARRAY and depth >= MAX_ARRAY_DEPTH:
+                raise _Defect(f"{what} nests arrays deeper than {MAX_ARRAY_DEPTH} levels")
+            values = [self.value(item, f"{what}[{i}]", keep, depth + 1) for i in range(count)]
             return values if keep else None
         raise _Defect(f"{what} has unknown value type {kind}")
 
@@ -168,17 +175,22 @@ def read_header(path: str | Path, keys: tuple[str, ...] = ()) -> GGUFHeader:
             cur.need(num_fields * 12 + num_tensors * 24, f"{num_fields} metadata entries and {num_tensors} tensors")
             wanted = set(keys) | {"general.alignment"}
             fields: dict[str, Any] = {}
+            seen: set[str] = set()
+            alignment = DEFAULT_ALIGNMENT
             for i in range(num_fields):
                 key = cur.string(f"metadata key #{i}")
+                if key in seen:
+                    raise _Defect(f"metadata key {key!r} appears twice")
+                seen.add(key)
                 kind = cur.scalar("I", f"the value type of {key!r}")
                 value = cur.value(kind, repr(key), keep=key in wanted)
-                if key in wanted:
+                if key == "general.alignment":
+                    if kind != UINT32 or value <= 0 or value & (value - 1):
+                        raise _Defect(f"general.alignment must be a power of two of type uint32, got {value!r} of "
+                                      f"type {kind}")
+                    alignment = value
+                if key in keys:
                     fields[key] = value
-            alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
-            if "general.alignment" not in keys:
-                fields.pop("general.alignment", None)
-            if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-                raise _Defect(f"general.alignment must be a power of two, got {alignment!r}")
             entries = []
             names = set()
             for i in range(num_tensors):

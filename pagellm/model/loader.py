@@ -212,9 +212,9 @@ def check_quantization(quantization: str | None, device: torch.device, files: Mo
             counts = ", ".join(f"{plural(n, 'tensor')} of {t}" for t, n in types.most_common())
             raise ValueError(
                 f"--quantization {quantization} quantizes 16/32-bit weights, but {files.gguf.name} is already "
-                f"quantized ({counts}): quantizing "
-                "them again loses accuracy for no memory saved. Leave --quantization unset to run the file's own "
-                "blocks, or give a float checkpoint (a Hugging Face folder, or an F16/BF16/F32 GGUF file)")
+                f"quantized ({counts}): quantizing its dequantized weights again compounds two roundings. "
+                "Leave --quantization unset to run the file's own blocks, or give a float checkpoint (a Hugging "
+                "Face folder, or an F16/BF16/F32 GGUF file)")
     if quantization in QUANTIZERS and (device.type != "cpu" or native.load() is None):
         raise ValueError(f"--quantization {quantization} runs on the native CPU kernels, which "
                          f"{'do not run on ' + device.type if device.type != 'cpu' else 'are not available here'}"
@@ -230,7 +230,8 @@ _RANDOM_INITS = ("kaiming_uniform_", "kaiming_normal_", "uniform_", "normal_", "
 def _no_random_init() -> Iterator[None]:
     """Build a model without drawing random starting weights: every parameter is then loaded from the
     checkpoint (load_weights refuses a checkpoint that misses one) or drawn by ``load_format="dummy"``,
-    and drawing them took seconds of every start."""
+    and drawing them took seconds of every start. It replaces ``torch.nn.init``'s functions for the
+    whole process while the model is built: the loader runs before the engine starts any thread."""
     saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
     try:
         for name in _RANDOM_INITS:

@@ -57,6 +57,7 @@ class CacheEngine:
         group_cpu_blocks: Sequence[int] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks  # (in blocks of every layer, as num_blocks)
         self.block_size = block_size
         groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
         sizes = list(group_blocks) if group_blocks is not None else [num_blocks]

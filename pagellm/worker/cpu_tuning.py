@@ -48,6 +48,22 @@ def keep_freed_memory() -> bool:
 _HUGE_PAGE = 2 << 20
 
 
+def _fresh_mapping(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor | None:
+    """A tensor over a fresh anonymous mapping (Linux, at least two huge pages' worth), whose pages the
+    kernel hands out zeroed on first touch; None where no such mapping can be had."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or size < 2 * _HUGE_PAGE:
+        return None
+    try:
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    except (OSError, ValueError) as e:  # THP compiled out, mapping refused
+        logger.debug("no fresh mapping for a %d-byte pool: %s", size, e)
+        return None
+
+
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in a fresh anonymous mapping that asks Linux for transparent huge pages.
 
@@ -56,32 +72,20 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     memory that may already sit on small pages) with ``MADV_HUGEPAGE`` gets huge pages as it is first
     written. The kernel hands out an anonymous mapping's pages zeroed on first touch, so the tensor is
     not written here: a pool costs no time and no resident memory at start-up, only as its blocks are
-    first used. Where that is not available (not Linux, THP off, small tensors) the tensor is the
-    same, from ``torch.zeros``.
+    first used (so the first requests take those page faults, and a pool larger than the machine's
+    memory fails when it fills, not at start-up). Where no such mapping can be had (not Linux, small
+    tensors) the tensor is the same, from ``torch.zeros``.
     """
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if sys.platform.startswith("linux") and size >= 2 * _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            memory.madvise(mmap.MADV_HUGEPAGE)
-            return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-        except (OSError, ValueError) as e:  # THP compiled out, mapping refused
-            logger.debug("no huge-page mapping for a %d-byte pool: %s", size, e)
-    return torch.zeros(shape, dtype=dtype)
+    mapped = _fresh_mapping(shape, dtype, huge_pages=True)
+    return mapped if mapped is not None else torch.zeros(shape, dtype=dtype)
 
 
 def empty_mapping(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose pages are taken from the system only as they are written (a
-    fresh anonymous mapping on Linux where it is large, else ``torch.empty``): a swap pool that is
-    never used costs no memory."""
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if sys.platform.startswith("linux") and size >= 2 * _HUGE_PAGE:
-        try:
-            return torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                                    dtype=dtype).view(shape)
-        except (OSError, ValueError) as e:
-            logger.debug("no mapping for a %d-byte pool: %s", size, e)
-    return torch.empty(shape, dtype=dtype)
+    fresh anonymous mapping where it is large, else ``torch.empty``): a swap pool that is never used
+    costs no memory."""
+    mapped = _fresh_mapping(shape, dtype, huge_pages=False)
+    return mapped if mapped is not None else torch.empty(shape, dtype=dtype)
 
 
 def available_host_memory() -> int:

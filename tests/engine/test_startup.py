@@ -48,15 +48,15 @@ def test_default_pools_follow_the_model_and_the_machine(llama_path, host_memory,
 
 
 def test_plan_sizes_the_default_pool_as_the_engine_does(llama_path, host_memory):
+    """The plan counts the memory left once the weights are loaded; an engine that finds that much
+    available then allocates the plan's blocks and swap pool."""
     host_memory(100 * MiB)
     plan = make_plan(llama_path, max_model_len=2048, dtype="float32", device="cpu")
-    # The plan counts what will be left once the weights are loaded; the engine reads it then.
-    kv_budget = sizing.default_kv_cache_bytes(
-        sizing.KVCacheSizing(plan.num_layers, plan.kv_heads_per_rank, plan.head_dim, plan.block_size,
-                             plan.kv_element_bytes),
-        2048, 256, 100 * MiB - plan.weights_bytes_per_rank)
-    assert plan.num_blocks == kv_budget // plan.kv_bytes_per_block
     assert any("sized as the engine sizes it on this machine" in note for note in plan.notes)
+    host_memory(100 * MiB - plan.weights_bytes_per_rank)
+    engine = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=2048, dtype="float32", device="cpu"))
+    assert engine.kv_cache_manager.num_blocks == plan.num_blocks
+    assert engine.cache_engine.num_cpu_blocks * plan.kv_bytes_per_block == plan.swap_bytes_per_rank
 
 
 def resident_bytes() -> int:

@@ -38,6 +38,7 @@ def machine(monkeypatch):
     (ZEN4, "amx", None, []),  # nothing this machine has: nothing changes
     (ZEN3, "avx2", "AVX", ["-mno-avx2"]),
     (ZEN3, "avx2, f16c fma", "AVX", ["-mno-avx2", "-mno-fma", "-mno-f16c"]),
+    (ZEN4, "fma", "AVX", ["-mno-avx2", "-mno-fma", "-mno-avx512f", "-mno-avx512bf16", "-mno-avx512vnni"]),
 ])
 def test_hidden_features_cap_every_path(machine, flags, hide, isa, gcc):
     machine(flags, hide)

@@ -69,7 +69,8 @@ def test_the_well_formed_file_reads(small_gguf):
 def test_a_file_cut_off_at_any_offset_gets_one_clear_error(small_gguf, tmp_path):
     data = small_gguf.read_bytes()
     end = header_end(small_gguf)
-    cuts = list(range(0, end + 1)) + list(range(end + 1, len(data), 37))
+    data_end = max(t.offset + t.num_bytes for t in read_header(small_gguf).tensors)  # (padding may follow)
+    cuts = list(range(0, end + 1)) + list(range(end + 1, data_end, 37))
     cut = tmp_path / "cut.gguf"
     messages = set()
     for n in cuts:
@@ -111,6 +112,62 @@ def test_impossible_header_fields_are_named(small_gguf, tmp_path):
         path.write_bytes(bad)
         message = assert_clean_error(path)
         assert expected in message, (name, message)
+
+
+def _with_metadata(data: bytes, entries: list[bytes]) -> bytes:
+    """The file with metadata entries added after the existing ones (for files refused before their
+    tensor table: the data is not realigned)."""
+    count = struct.unpack_from("<Q", data, 16)[0]
+    header = read_header_end_of_metadata(data)
+    added = b"".join(entries)
+    body = data[24:header] + added + data[header:]
+    out = data[:16] + struct.pack("<Q", count + len(entries)) + body
+    return out
+
+
+def read_header_end_of_metadata(data: bytes) -> int:
+    """Where the metadata of ``data`` (a file of the small fixture's shape) ends: its tensor table's start."""
+    return data.index(struct.pack("<Q", len(b"token_embd.weight")) + b"token_embd.weight")
+
+
+def _key(name: str, kind: int, payload: bytes) -> bytes:
+    raw = name.encode()
+    return struct.pack("<Q", len(raw)) + raw + struct.pack("<I", kind) + payload
+
+
+def test_fields_gguf_itself_refuses_are_refused(small_gguf, tmp_path):
+    """A repeated key, an alignment that is not a uint32 (a bool would read as 1: every tensor misplaced),
+    arrays nested past any file's need (they would exhaust Python's stack)."""
+    data = small_gguf.read_bytes()
+    path = tmp_path / "fields.gguf"
+    # An array of one array of one array ... (20 levels), the innermost an empty array of uint32.
+    nested = struct.pack("<IQ", 9, 1) * 19 + struct.pack("<IQ", 4, 0)
+    cases = {
+        "repeated key": ([_key("llama.block_count", 4, struct.pack("<I", 2))], "appears twice"),
+        "bool alignment": ([_key("general.alignment", 7, b"\x01")], "general.alignment must be a power of two"),
+        "uint64 alignment": ([_key("general.alignment", 10, struct.pack("<Q", 32))], "of type uint32"),
+        "deep arrays": ([_key("x.nested", 9, nested)], "nests arrays deeper than"),
+    }
+    for name, (entries, expected) in cases.items():
+        path.write_bytes(_with_metadata(data, entries))
+        message = assert_clean_error(path)
+        assert expected in message, (name, message)
+
+
+def test_a_big_endian_file_is_refused_by_name(tmp_path):
+    from gguf import GGUFEndian, GGUFWriter
+
+    path = tmp_path / "be.gguf"
+    writer = GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(4 * 32, dtype=np.float32).reshape(4, 32).byteswap())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_header(path).byte_order == ">"
+    with pytest.raises(ValueError, match="be.gguf is a big-endian GGUF file: pagellm reads little-endian files"):
+        LLM(str(path))
 
 
 def test_random_bytes_in_the_header_never_escape_as_another_error(small_gguf, tmp_path):
