@@ -51,6 +51,7 @@ def test_bench_latency_refuses_flags_before_any_work(llama_path, tmp_path, capsy
 
 
 @pytest.mark.skipif(embedded_gguf_path() is None, reason=f"the embedded model is missing: {DEFAULT_MODEL_INSTALL}")
+@pytest.mark.slow
 def test_bench_latency_runs_the_embedded_default_when_given_no_model(tmp_path, capsys):
     assert main(["bench", "latency", "--backend", "pagellm", "--prompt-len", "8", "--new-tokens", "2", "--runs", "1",
                  "--kv-cache-memory", "64MiB", "--output-dir", str(tmp_path)]) == 0

@@ -56,6 +56,7 @@ def test_every_everyday_schema_validates_greedy(server):
     assert json.loads(by_name["city"])["city"] == "Paris"  # a real model: content, not noise
 
 
+@pytest.mark.slow
 def test_regex_and_choice(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give a US phone number."}],
                                        max_tokens=20, temperature=0,
