@@ -145,14 +145,13 @@ def load_library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes
     if cc is None:
         logger.warning("no C compiler found (set CC): attention and sampling use the slower PyTorch path")
         return None
-    if gcc_flags():
-        logger.info("compiling the native kernels without the CPU features hidden by PAGELLM_HIDE_CPU_FEATURES: %s",
-                    " ".join(gcc_flags()))
     path = cache_dir() / f"{LIBRARY_STEM}-{cache_key(source, cc)}.so"
     error = None
     for attempt in range(2):  # a cached library that no longer loads (another glibc?) is rebuilt once
         if attempt or not path.exists():
-            logger.info("compiling native CPU kernels for this CPU (first run only) ...")
+            hidden = f" (without the features PAGELLM_HIDE_CPU_FEATURES hides: {' '.join(gcc_flags())})" \
+                if gcc_flags() else ""
+            logger.info("compiling native CPU kernels for this CPU (first run only) ...%s", hidden)
             t0 = time.perf_counter()
             error = build(cc, source, path)
             if error is not None:
