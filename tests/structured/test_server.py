@@ -141,6 +141,34 @@ def test_tool_choice_required_returns_calls_that_validate(client):
             jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
 
+# Two tools whose parameters, as pydantic writes them, define the same name differently.
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "$defs": {"Loc": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Loc"}}, "required": ["to"]}}}
+PLOT = {"type": "function", "function": {"name": "plot", "parameters": {
+    "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                       "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                      "required": ["x", "y"]}},
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}, "path": {"type": "array", "maxItems": 3,
+                                                                              "items": {"$ref": "#/$defs/Loc"}}},
+    "required": ["at"]}}}
+DEF_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (MOVE, PLOT)}
+
+
+def test_tool_choice_required_with_local_defs_in_each_tool(client):
+    names: set[str] = set()
+    for seed in range(24):
+        if names == {"move", "plot"}:
+            break
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=[MOVE, PLOT], tool_choice="required",
+                                           max_tokens=300, temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls"
+        for call in r.choices[0].message.tool_calls:
+            names.add(call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), DEF_PARAMS[call.function.name])
+    assert names == {"move", "plot"}  # each tool's own "Loc" held for its calls
+
+
 def test_named_tool_and_parallel_tool_calls_false(client):
     r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=200, temperature=1.0,
                                        tool_choice={"type": "function", "function": {"name": "lookup"}})

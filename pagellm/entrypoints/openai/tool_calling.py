@@ -31,14 +31,59 @@ def parameters_of(tool: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else ANY_OBJECT
 
 
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(_has_local_ref(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    ref = schema.get("$ref")
+    return (isinstance(ref, str) and ref.startswith("#")) or any(
+        _has_local_ref(v) for k, v in schema.items() if k not in _DATA_KEYWORDS)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s ("#", "#/$defs/Loc", ...) made relative to the JSON pointer
+    ``base`` of the document it is moved into ("#/$defs/Loc" -> base + "/$defs/Loc")."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + base + v[1:]
+        else:
+            out[k] = v if k in _DATA_KEYWORDS else _rebase_refs(v, base)
+    return out
+
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool."""
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": parameters_of(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool.
+
+    A tool's ``parameters`` that refer to their own definitions (``$ref: "#/$defs/Loc"``, as pydantic
+    writes them) would resolve against the combined schema's root: such a tool's whole schema moves
+    into the root's ``$defs`` under a name of its own (``tool_0``, ...) with its references rebased
+    ("#/$defs/tool_0/$defs/Loc"), so tools that define the same names each keep their own."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, t in enumerate(tools):
+        params = parameters_of(t)
+        if _has_local_ref(params):
+            key = f"tool_{i}"
+            defs[key] = _rebase_refs(params, f"/$defs/{key}")
+            params = {"$ref": f"#/$defs/{key}"}
+        items.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                     "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
