@@ -115,7 +115,7 @@ def test_bf16_vector_paths(head_dim, heads, kv_heads, window, threads, lens):
 
 # Where the kernel ignores a cascade (no bfloat16 dot products) these tests would compare a path with itself.
 needs_cascade = pytest.mark.skipif(not native.cascade_supported(torch.empty(1, 1, 64, 16, dtype=torch.bfloat16)),
-                                   reason="cascade attention needs the bfloat16 dot products")
+                                   reason="cascade attention needs the bfloat16 dot products (AVX512-BF16)")
 
 
 def _padded(tables):

@@ -11,7 +11,8 @@ from pagellm.kernels import native
 from pagellm.model.default_model import build_checkpoint
 from tests.helpers import assert_all_blocks_free, random_prompts
 
-needs_native = pytest.mark.skipif(not native.linear_supported(), reason="needs the native bfloat16 linear kernel")
+needs_native = pytest.mark.skipif(not native.linear_supported(),
+                                  reason="needs the native bfloat16 linear kernel (AVX512-BF16 without AMX)")
 
 
 def _count_native_steps(monkeypatch) -> list[int]:

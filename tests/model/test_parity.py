@@ -80,7 +80,8 @@ def test_bfloat16_logprobs_close_to_transformers(checkpoints, name):
     assert_bfloat16_logprobs_close(checkpoints[name], max_tokens=24, max_diff=0.15, mean_diff=0.03)
 
 
-@pytest.mark.skipif(not native.linear_supported(), reason="batch invariance is promised by the native linear kernel")
+@pytest.mark.skipif(not native.linear_supported(),
+                    reason="batch invariance is promised by the native bfloat16 linear (AVX512-BF16 without AMX)")
 @pytest.mark.parametrize("name", ["qwen2", "llama-hd64"])
 def test_bfloat16_outputs_do_not_depend_on_the_batch(checkpoints, name):
     """In bfloat16 a request gets the same tokens and the same logprobs, to the bit, alone or next to
