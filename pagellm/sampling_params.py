@@ -35,6 +35,10 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+NO_VALUE_MATCHES = ("{} is the JSON schema false, which no value matches: nothing could be generated; "
+                    "give true or {{}} for any JSON value, or a schema object")
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON
@@ -56,6 +60,10 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
+        if self.json is True:  # the schema ``true``: any JSON value, as ``{}`` says
+            self.json = {}
+        elif self.json is False:
+            raise ValueError(NO_VALUE_MATCHES.format("structured_outputs.json"))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         if self.json_object:
             given.append("json_object")

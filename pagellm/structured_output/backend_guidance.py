@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.sampling_params import NO_VALUE_MATCHES, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,28 @@ def close_objects(schema: Any) -> Any:
     return out
 
 
+# The largest integers the engine takes in a JSON schema: lengths become regex repetitions (32-bit
+# counts), every other integer must fit in 64 bits.
+LENGTH_KEYWORDS = ("minLength", "maxLength")
+MAX_LENGTH = 2**32 - 1
+MAX_INTEGER = 2**63 - 1
+
+
+def check_integers(schema: Any, path: str = "") -> None:
+    """ValueError naming the first integer of ``schema`` the engine cannot take (its path and limit)."""
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    for k, v in items:
+        where = f"{path}.{k}" if path else str(k)
+        if isinstance(v, int) and not isinstance(v, bool):
+            limit = MAX_LENGTH if k in LENGTH_KEYWORDS else MAX_INTEGER
+            if not -limit - 1 <= v <= limit:
+                shown = str(v) if len(str(v)) <= 30 else f"an integer of {len(str(v))} digits"
+                raise ValueError(f"the JSON schema's '{where}' is {shown}, beyond the limit of "
+                                 f"{'-' if v < 0 else ''}{limit if v > 0 else limit + 1}; use a smaller value")
+        elif isinstance(v, (dict, list)):
+            check_integers(v, where)
+
+
 # Errors of a valid schema that uses keywords (or formats) the engine does not implement: such a schema
 # is compiled again with them ignored rather than refused (what is implemented still holds).
 UNIMPLEMENTED = ("Unimplemented keys", "Unknown format")
@@ -63,8 +85,13 @@ def grammar_text(params: StructuredOutputsParams, lenient: bool = False) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"a JSON schema must be an object (or true/false), got {type(schema).__name__}")
+        if schema is True:  # any JSON value
+            schema = {}
+        if schema is False:
+            raise ValueError(NO_VALUE_MATCHES.format("the JSON schema"))
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema must be an object (or true), got {type(schema).__name__}")
+        check_integers(schema)
         options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
         return str(matcher.grammar_from_json_schema(close_objects(schema), defaults=options))
     if kind == "json_object":

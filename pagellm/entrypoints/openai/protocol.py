@@ -133,6 +133,11 @@ class SamplingFields(StrictModel):
             if bad:
                 raise ValueError(f"logit_bias keys must be token ids written as non-negative integers "
                                  f"(\"42\"), got {bad[:5]}")
+            # (No vocabulary is that large: and int() of 4,300 digits or more raises its own error.)
+            long = [k for k in self.logit_bias if len(k) > 12]
+            if long:
+                raise ValueError(f"logit_bias keys must be token ids in the model's vocabulary, got a key of "
+                                 f"{len(long[0])} digits ({long[0][:12]}...)")
             bias = {int(k): v for k, v in self.logit_bias.items()}
         given: dict[str, Any] = {
             "temperature": self.temperature,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.sampling_params import NO_VALUE_MATCHES, StructuredOutputsParams
 
 # vLLM's StructuredOutputsParams fields a request body may set.
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
@@ -39,8 +39,13 @@ def from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
     if "name" in spec and not isinstance(spec["name"], str):
         raise APIError(400, "response_format.json_schema.name must be a string", param="response_format.json_schema")
     schema = spec.get("schema", {"type": "object"})  # OpenAI: no schema means any JSON object
+    if schema is True:  # any JSON value
+        schema = {}
+    if schema is False:
+        raise APIError(400, NO_VALUE_MATCHES.format("response_format.json_schema.schema"),
+                       param="response_format.json_schema.schema")
     if not isinstance(schema, dict):
-        raise APIError(400, f"response_format.json_schema.schema must be a JSON schema object, got "
+        raise APIError(400, f"response_format.json_schema.schema must be a JSON schema object (or true), got "
                             f"{type(schema).__name__}", param="response_format.json_schema.schema")
     return StructuredOutputsParams(json=schema)
 

@@ -587,3 +587,63 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
                                           max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
+
+
+def _raw_exchange(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` on a fresh connection; (status, headers, body) of the answer read to the close."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_requests_that_are_not_valid_http_get_openai_json_errors(server):
+    status, headers, body = _raw_exchange(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                       b"Content-Length: ten\r\n\r\n{}")
+    assert status == 400 and headers["content-type"] == "application/json", body
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "Content-Length" in error["message"]
+    # Headers of 200 KB: a 431 the client reads whole (no reset of a socket with unread bytes).
+    status, headers, body = _raw_exchange(server.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+                                                       + b"a" * 200_000 + b"\r\n\r\n")
+    assert status == 431 and headers["content-type"] == "application/json", body
+    assert "headers are larger than" in json.loads(body)["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"logit_bias": {"7" * 5000: 1}}, "logit_bias", ["token ids in the model's vocabulary", "5000 digits"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 2**70}}}}}},
+     None, ["properties.s.maxLength", "beyond the limit of 4294967295"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "integer", "minimum": -(2**70)}}}}, None, ["'minimum'", "limit of -9223372036854775808"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": False}}},
+     "response_format.json_schema.schema", ["JSON schema false, which no value matches"]),
+    ({"structured_outputs": {"json": False}}, "structured_outputs", ["JSON schema false"]),
+])
+def test_out_of_range_keys_and_schemas_are_clear_400s(server, body, param, words):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert all(w in error["message"] for w in words), error
+    assert "sys.set_int_max_str_digits" not in error["message"] and "serializable" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_the_json_schema_true_means_any_json_value(client):
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}},
+                  {"structured_outputs": {"json": True}}):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=40, temperature=0, extra_body=extra)
+        if r.choices[0].finish_reason == "stop":
+            json.loads(r.choices[0].message.content or "")
