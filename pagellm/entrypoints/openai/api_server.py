@@ -10,9 +10,12 @@ import contextlib
 import hmac
 import logging
 import math
+import re
 import signal
 import socket
 import time
+import warnings
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -174,6 +177,47 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise from_validation_error(e) from e
 
 
+# The OpenAPI document. Handlers parse their bodies themselves (``parse_body``: OpenAI-shaped errors),
+# so FastAPI does not see the models: each POST route declares its body, and the models' schemas are
+# added to the document's components.
+STREAMS: dict[int | str, dict[str, Any]] = {200: {
+    "description": "the answer as JSON, or with \"stream\": true server-sent events ending in data: [DONE]",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose JSON body is ``model``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def add_body_schemas(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    """``app``'s OpenAPI document with the schemas of ``models``, and an operation id of its own for
+    each method of a route that takes several (GET and HEAD), where FastAPI gives them one."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+            doc = generate()
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in models:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        ops = [(method, op) for item in doc.get("paths", {}).values() for method, op in item.items()
+               if isinstance(op, dict) and "operationId" in op]
+        ids = Counter(op["operationId"] for _, op in ops)
+        for method, op in ops:
+            if ids[op["operationId"]] > 1:
+                op["operationId"] = re.sub(r"_(get|head)$", "", op["operationId"]) + f"_{method}"
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 class OpenAIServing(OpenAIServingCompletion, OpenAIServingChat):
     """Both handlers over one engine, one tokenizing thread and one set of model names."""
 
@@ -194,11 +238,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               body_read_timeout: float = math.inf, cors: CORSSettings | None = None,
               enable_dashboard: bool = True, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
-              request_logging: RequestLogging | None = None, root_path: str = "") -> FastAPI:
+              request_logging: RequestLogging | None = None, root_path: str = "",
+              enable_docs: bool = False) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
-    (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under."""
+    (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
+    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(metrics.on_step)
@@ -225,7 +271,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
             serving.close()
             logger.info("engine stopped; aborted %s still in flight", plural(in_flight, "request"))
 
-    app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan,
+                  docs_url="/docs" if enable_docs else None, redoc_url="/redoc" if enable_docs else None)
     # As vLLM: requests may come with the prefix or without it (a proxy that strips it), and the
     # OpenAPI schema names it. (Set here: FastAPI's constructor argument is deprecated.)
     app.root_path = root_path
@@ -284,20 +331,20 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         serving.check_model(model)
         return model_card(model)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(pending=len(async_engine._pending_adds)),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=STREAMS)
     async def completions(request: Request) -> Any:
         return await serving.completions(await parse_body(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=STREAMS)
     async def chat(request: Request) -> Any:
         return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest)
         serving.check_model(body.model)
@@ -310,7 +357,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
                 body.prompt, add_special_tokens=body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest)
         serving.check_model(body.model)
@@ -321,6 +368,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
+    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
@@ -402,7 +450,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
-                    root_path=args.root_path or "")
+                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

@@ -81,6 +81,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--disable-dashboard", action="store_true",
                    help="do not serve the live KV cache dashboard (GET /dashboard) nor its state "
                         "(GET /v1/kv_cache/state)")
+    s.add_argument("--enable-fastapi-docs", action="store_true",
+                   help="serve FastAPI's interactive API pages /docs (Swagger UI) and /redoc; off by "
+                        "default because they load their scripts from a CDN (jsdelivr). /openapi.json is "
+                        "always served")
     s.add_argument("--disable-log-requests", action="store_true",
                    help="do not log requests (the default; vLLM's older flag)")
     s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,

@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.kv_state import kv_state
@@ -135,7 +135,7 @@ def add_dashboard_routes(app: FastAPI, dashboard: Dashboard) -> None:
     """``GET /dashboard``, its script and stylesheet, and ``GET /v1/kv_cache/state``."""
     files = {name: asset(name) for name in ASSETS}  # read once: a missing file fails at start-up
 
-    @app.get(PAGE_PATH)
+    @app.get(PAGE_PATH, response_class=HTMLResponse)
     async def page() -> Response:
         return Response(files["index.html"], media_type=ASSETS["index.html"], headers=_PAGE_HEADERS)
 

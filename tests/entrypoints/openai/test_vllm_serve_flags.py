@@ -39,6 +39,7 @@ def server(llama_path, tmp_path_factory):
         "--disable-frontend-multiprocessing", "--distributed-executor-backend", "mp", "--download-dir", "/nowhere",
         "--tokenizer-mode", "slow", "--revision", "main", "--max-seq-len-to-capture", "8192",
         "--max-parallel-loading-workers", "2", "--compilation-config", '{"level": 3}', "-O3", "--async-scheduling",
+        "--enable-fastapi-docs",
     ])
     yield srv
     assert srv.stop() == 0
@@ -100,6 +101,8 @@ def test_root_path_serves_with_and_without_the_prefix(server):
         assert out.usage.completion_tokens == 1
     schema = httpx.get(server.url + "/openapi.json").json()
     assert {"url": ROOT} in schema["servers"]
+    for page in ("/docs", "/redoc"):  # --enable-fastapi-docs (off by default)
+        assert httpx.get(server.url + page).status_code == 200
     assert httpx.get(server.url + ROOT + "/health").status_code == 200
 
 
