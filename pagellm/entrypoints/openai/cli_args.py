@@ -110,6 +110,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     v = p.add_argument_group("vLLM's server flags that change nothing here (each logs why once)")
     v.add_argument("--disable-frontend-multiprocessing", action="store_true",
                    help="the HTTP server and the engine always share one process here")
+    v.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="the /docs and /redoc pages are off unless --enable-fastapi-docs asks for them")
     p.add_argument("--config", default=None, metavar="YAML",
                    help="a YAML file of flags, as vLLM's: keys are flag names without the leading dashes "
                         "(port: 8000, max-model-len or max_model_len: 4096, enforce-eager: true); flags on the "
@@ -121,11 +123,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 # vLLM's server flags that change nothing here: attribute -> why (logged once when given).
 IGNORED_SERVER_FLAGS = {
     "disable_frontend_multiprocessing": "the HTTP server and the engine share one process in pagellm",
+    "disable_fastapi_docs": "/docs and /redoc are off by default in pagellm (--enable-fastapi-docs serves them)",
 }
 
 
 def check_server_flags(args: argparse.Namespace) -> None:
     """ValueError naming the flag for a server setting that cannot work, before anything loads."""
+    if args.enable_fastapi_docs and args.disable_fastapi_docs:
+        raise ValueError("--enable-fastapi-docs and --disable-fastapi-docs contradict each other: give one")
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
     if args.max_log_len is not None and args.max_log_len < 0:

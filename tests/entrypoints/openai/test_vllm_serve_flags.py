@@ -206,6 +206,7 @@ def test_a_bad_config_file_is_named_with_what_is_wrong(tmp_path, yaml_text, word
     (["--ssl-keyfile", "key.pem"], "HTTPS needs both --ssl-keyfile and --ssl-certfile"),
     (["--root-path", "llm"], "--root-path must be a path starting with '/'"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
+    (["--enable-fastapi-docs", "--disable-fastapi-docs"], "--disable-fastapi-docs contradict each other"),
     (["--max-logprob", "3", "--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
 def test_bad_vllm_flag_values_are_named(llama_path, flags, words):
