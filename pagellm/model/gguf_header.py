@@ -90,6 +90,14 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise _Defect(f"{what} is not UTF-8 text ({e})") from None
 
+    def unique_string(self, seen: set[str], what: str, kind: str) -> str:
+        """A name (a metadata key, a tensor's name) that must not repeat one in ``seen``; added to it."""
+        name = self.string(what)
+        if name in seen:
+            raise _Defect(f"{kind} {name!r} appears twice")
+        seen.add(name)
+        return name
+
     def value(self, kind: int, what: str, keep: bool, depth: int = 0) -> Any:
         """The value of a metadata type (returned where ``keep``, else skipped)."""
         if kind in SCALARS:
@@ -178,10 +186,7 @@ def read_header(path: str | Path, keys: tuple[str, ...] = ()) -> GGUFHeader:
             seen: set[str] = set()
             alignment = DEFAULT_ALIGNMENT
             for i in range(num_fields):
-                key = cur.string(f"metadata key #{i}")
-                if key in seen:
-                    raise _Defect(f"metadata key {key!r} appears twice")
-                seen.add(key)
+                key = cur.unique_string(seen, f"metadata key #{i}", "metadata key")
                 kind = cur.scalar("I", f"the value type of {key!r}")
                 value = cur.value(kind, repr(key), keep=key in wanted)
                 if key == "general.alignment":
@@ -192,12 +197,9 @@ def read_header(path: str | Path, keys: tuple[str, ...] = ()) -> GGUFHeader:
                 if key in keys:
                     fields[key] = value
             entries = []
-            names = set()
+            names: set[str] = set()
             for i in range(num_tensors):
-                name = cur.string(f"the name of tensor #{i}")
-                if name in names:
-                    raise _Defect(f"tensor {name!r} appears twice")
-                names.add(name)
+                name = cur.unique_string(names, f"the name of tensor #{i}", "tensor")
                 n_dims = cur.scalar("I", f"the dimension count of {name!r}")
                 if not 1 <= n_dims <= MAX_DIMS:
                     raise _Defect(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")

@@ -3,7 +3,7 @@ server while requests with a common prefix run, and reads the grid as the page d
 
 Skipped, with the reason printed, where chromium or Playwright is missing (`make install-browser`
 installs both). With ``PAGELLM_DASHBOARD_SCREENSHOT=docs/dashboard.png`` the screenshot taken during
-the workload is also written there: that is the README's (`make dashboard-screenshot`).
+the workload is also written there: that is docs/dashboard.md's (`make dashboard-screenshot`).
 """
 
 from __future__ import annotations
