@@ -7,7 +7,10 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagellm.structured_output.limits import ConstraintLimits
 
 _UNITS = {
     "": 1, "b": 1,
@@ -53,6 +56,14 @@ def read_prompt_file(path: str) -> list[str]:
         return prompts
     return [line for line in text.splitlines() if line.strip()]
 
+
+# Defaults of the --structured-outputs-* bounds on a request's output constraint (see
+# structured_output/limits.py for what each guards against).
+DEFAULT_MAX_BYTES = 256 * 1024
+DEFAULT_MAX_DEPTH = 100
+DEFAULT_MAX_RULES = 5000
+DEFAULT_COMPILE_TIMEOUT = 10.0
+DEFAULT_MAX_MASK_MS = 20.0
 
 # vLLM's --dtype names; "half" and "float" are its aliases of float16 and float32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -180,6 +191,17 @@ class EngineArgs:
         "accepted for vLLM scripts: pagellm runs no code from checkpoints, only its own model classes"))
     disable_log_stats: bool = field(default=False, metadata=_flag(
         "do not log engine statistics (the server logs them every 10 s while busy)"))
+    # Bounds on a request's output constraint (structured_output/limits.py): beyond them, a 400 naming the flag.
+    structured_outputs_max_bytes: int = field(default=DEFAULT_MAX_BYTES, metadata=_flag(
+        "longest output constraint (JSON schema, grammar, regex, choices) a request may give, in bytes"))
+    structured_outputs_max_depth: int = field(default=DEFAULT_MAX_DEPTH, metadata=_flag(
+        "deepest nesting of objects and lists a request's JSON schema may have"))
+    structured_outputs_max_rules: int = field(default=DEFAULT_MAX_RULES, metadata=_flag(
+        "most rules a request's Lark or GBNF grammar may define"))
+    structured_outputs_compile_timeout: float = field(default=DEFAULT_COMPILE_TIMEOUT, metadata=_flag(
+        "seconds a new output constraint may take to compile before its request is refused"))
+    structured_outputs_max_mask_ms: float = field(default=DEFAULT_MAX_MASK_MS, metadata=_flag(
+        "milliseconds of CPU an output constraint may take to compute one token's mask (spent in every step)"))
     # vLLM's engine arguments (pagellm/vllm_args.py): max_logprobs, hf_overrides and
     # override_generation_config act as in vLLM; the others are accepted and logged as having no effect.
     max_logprobs: int = field(default=20, metadata=_flag(
@@ -267,6 +289,7 @@ class EngineArgs:
             if not self.enable_prefix_caching:
                 raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
         self._check_vllm_arguments()
+        _ = self.constraint_limits  # ValueError naming a --structured-outputs-* flag out of range
         from pagellm.model.loader import LOAD_FORMATS
 
         if self.dtype not in DTYPE_CHOICES:
@@ -355,6 +378,15 @@ class EngineArgs:
                 "--max-model-len or turn on --enable-chunked-prefill"
             )
         return budget
+
+    @property
+    def constraint_limits(self) -> ConstraintLimits:
+        """The --structured-outputs-* bounds (ValueError naming a flag whose value is not valid)."""
+        from pagellm.structured_output.limits import ConstraintLimits
+
+        return ConstraintLimits(self.structured_outputs_max_bytes, self.structured_outputs_max_depth,
+                                self.structured_outputs_max_rules, self.structured_outputs_compile_timeout,
+                                self.structured_outputs_max_mask_ms)
 
     @property
     def served_model_names(self) -> list[str] | None:

@@ -401,6 +401,9 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
+        if seq.constraint_error is not None:
+            self.finish_seq(seq, SequenceStatus.FINISHED_ERROR)
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if params.stop_token_ids and token_id in params.stop_token_ids:
                 seq.stop_reason = token_id

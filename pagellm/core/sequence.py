@@ -20,6 +20,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The output can no longer satisfy the request's constraint (the grammar engine dead-ended).
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -27,6 +29,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_STOPPED,
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_ERROR,
         )
 
     @property
@@ -66,6 +69,8 @@ class Sequence:
         # Per output token: {token_id: (logprob, rank)} when logprobs were asked for.
         self.output_logprobs: list[dict[int, tuple[float, int]]] = []
         self.stop_reason: int | str | None = None
+        # Why the output can no longer satisfy the request's constraint (set by the grammar's mask).
+        self.constraint_error: str | None = None
         # (hash, key) of each full block, filled lazily by the KV cache manager.
         self.block_keys: list[tuple[int, tuple]] = []
         # Prefix-cache hit of the first admission, in tokens (RequestOutput.num_cached_tokens).

@@ -183,7 +183,7 @@ class LLMEngine:
         sampler = Sampler(sorted(self.eos_token_ids), self.device, args.seed)
         # Constrained decoding; the grammar engine loads with the first constrained request.
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                         self.max_model_len)
+                                                         self.max_model_len, limits=args.constraint_limits)
         with phase("preparing the model runner"):
             self.model_runner = ModelRunner(
                 self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
@@ -370,7 +370,10 @@ class LLMEngine:
         return self.model_runner.execute(scheduler_output)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine computes no step after this)."""
+        """Stop the grammar probe and the tensor-parallel workers, if any (the engine computes no step
+        after this)."""
+        if hasattr(self, "structured_output"):  # (not when the engine failed while starting)
+            self.structured_output.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 

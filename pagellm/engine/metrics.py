@@ -64,7 +64,7 @@ class EngineMetrics:
         for metric in (self.pc_queries, self.pc_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.ttft, self.itl, self.e2e, self.queue_time):
             self._l(metric)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._l(self.success, finished_reason=reason)
         # Per request id: each sequence's (tokens seen, time of its last token), for inter-token latency.
         self._seq_tokens: dict[str, dict[int, tuple[int, float]]] = {}

@@ -92,7 +92,8 @@ class OutputProcessor:
         state = self.state(seq)
         detok = state.detok
         pending = seq.output_token_ids[detok.num_tokens:]
-        ended_by_token = seq.status is SequenceStatus.FINISHED_STOPPED
+        # A stop token, or the EOS a dead-ended constraint forced: neither adds text.
+        ended_by_token = seq.status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_ERROR)
         if ended_by_token and not params.include_stop_str_in_output:
             pending = pending[:-1]  # the EOS or stop token adds no text
             if not pending:

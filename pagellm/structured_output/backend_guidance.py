@@ -124,7 +124,8 @@ class GuidanceGrammar:
     def advance(self, tokens: list[int]) -> None:
         """Bring the matcher to the end of ``tokens`` (the sequence's output so far): consume the new
         ones, or roll back those no longer there. The state is a function of the tokens alone, so a
-        preempted sequence (swapped, or recomputed from its tokens) resumes exactly where it was."""
+        preempted sequence (swapped, or recomputed from its tokens) resumes exactly where it was.
+        Tokens after the grammar's end (``ignore_eos``) are not the grammar's: they are not consumed."""
         n = len(tokens)
         if self.wrap_up_from is not None and n < self.wrap_up_from:
             self.wrap_up_from = None
@@ -132,15 +133,24 @@ class GuidanceGrammar:
             self.close_estimate = None
             if not self.matcher.rollback(self.num_tokens - n):
                 self.matcher = None  # (cannot happen: rollback is bounded by the tokens consumed)
-        elif n > self.num_tokens and not self.matcher.is_error():
+        elif n > self.num_tokens and not self.matcher.is_stopped():
             self.matcher.consume_tokens(tokens[self.num_tokens:])
+        elif n > self.num_tokens:
+            return  # the count stays at the grammar's end, where a rollback must find it
         self.num_tokens = n
 
     @property
     def failed(self) -> bool:
-        """A token the grammar refused was accepted (only EOS can follow, e.g. after the grammar ended
-        and ``ignore_eos`` kept the sequence going)."""
-        return self.matcher is None or bool(self.matcher.is_error())
+        """The grammar dead-ended: no output from here on can satisfy it (a limit of the grammar engine
+        was hit, it refused a token, or it stopped where the output is incomplete). Only EOS can follow."""
+        m = self.matcher
+        return m is None or bool(m.is_error()) or (bool(m.is_stopped()) and not m.is_accepting())
+
+    @property
+    def error(self) -> str:
+        if self.matcher is None:
+            return "the grammar failed"
+        return str(self.matcher.get_error()).split("\n")[0] or f"no way on ({self.matcher.stop_reason()})"
 
     @property
     def is_terminated(self) -> bool:
@@ -167,15 +177,10 @@ class GuidanceBackend:
                                                            eos_token=self.eos_token_ids or None)
         return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> Any:
-        """A template matcher for the constraint; ValueError with the engine's message if it is invalid."""
-        matcher = _llguidance().LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
-        if matcher.is_error() and params.kind == "json" and any(u in matcher.get_error() for u in UNIMPLEMENTED):
-            logger.warning("JSON schema keywords not enforced (%s): compiled without them", matcher.get_error())
-            matcher = _llguidance().LLMatcher(self.tokenizer, grammar_text(params, lenient=True), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid structured_outputs.{params.kind}: {matcher.get_error()}")
-        return matcher
+    def matcher(self, grammar: str) -> Any:
+        """A matcher at the start of ``grammar`` (an llguidance grammar from ``grammar_text``); in the
+        error state, saying why, if the grammar engine refuses it."""
+        return _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
 
     @staticmethod
     def new_grammar(template: Any) -> GuidanceGrammar:

@@ -19,6 +19,8 @@ from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
+from pagellm.structured_output.compiler import ConstraintCompiler
+from pagellm.structured_output.limits import ConstraintLimits
 from pagellm.structured_output.wrap_up import (
     LOOKAHEAD,
     RECHECK,
@@ -37,48 +39,58 @@ DEFAULT_CACHE_SIZE = 256
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], max_model_len: int,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, limits: ConstraintLimits | None = None) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._wrap_up_masks: WrapUpMasks | None = None
         self.eos_token_ids = sorted(eos_token_ids)
         self.backend = GuidanceBackend(tokenizer, vocab_size, self.eos_token_ids)
+        self.compiler = ConstraintCompiler(self.backend, limits)
         self.cache_size = cache_size
-        self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        # Admission compiles on the server's threads while the engine's thread reads the cache.
+        # Compiled constraints by their text, and those refused (with why): a client that repeats a
+        # constraint the server refused is answered at once rather than tried again.
+        self._templates: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        # Admission compiles on the compile thread while the engine's thread reads the cache.
         self._lock = threading.Lock()
         # Each constrained sequence's grammar state, dropped with the sequence.
         self._grammars: weakref.WeakKeyDictionary[Sequence, GuidanceGrammar] = weakref.WeakKeyDictionary()
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses (tests and logs)
 
+    @property
+    def limits(self) -> ConstraintLimits:
+        return self.compiler.limits
+
     # ------------------------------------------------------------ admission
     def validate(self, params: SamplingParams) -> None:
         """Compile the request's constraint (or find it compiled); ValueError naming what is invalid."""
         if params.structured_outputs is not None:
             self.template(params.structured_outputs)
-            if params.structured_outputs.kind in WRAP_UP_KINDS:
-                _ = self.wrap_up_masks  # built here, on the caller's thread, rather than inside a step
 
-    def template(self, so: StructuredOutputsParams) -> Any:
+    def submit(self, so: StructuredOutputsParams) -> Future[Any]:
+        """A future of the constraint's template matcher (or of the ValueError saying why it is refused):
+        done at once when the constraint was seen before, else compiled on the compile thread. Requests
+        with the same constraint share one compilation."""
         key = so.key()
         with self._lock:
             found = self._templates.get(key)
             if found is not None:
                 self._templates.move_to_end(key)
                 return found
-        try:
-            template = self.backend.compile(so)
-        except ValueError:
-            raise
-        except Exception as e:  # the library's own refusal, whatever its type: the constraint's fault
-            raise ValueError(f"invalid structured_outputs.{so.kind}: {e}") from e
-        with self._lock:
             self.num_compiled += 1
-            self._templates[key] = template
+
+            def then(_: Any) -> None:
+                if so.kind in WRAP_UP_KINDS:
+                    _ = self.wrap_up_masks  # built here rather than inside a step
+
+            future = self._templates[key] = self.compiler.submit(so, then)
             while len(self._templates) > self.cache_size:
                 self._templates.popitem(last=False)
-        return template
+        return future
+
+    def template(self, so: StructuredOutputsParams) -> Any:
+        """The constraint's template matcher, waiting for its compilation; ValueError if refused."""
+        return self.submit(so).result()
 
     # ------------------------------------------------------------------ step
     def grammar_for(self, seq: Sequence) -> GuidanceGrammar:
@@ -117,6 +129,7 @@ class StructuredOutputManager:
                 logger.exception("grammar of seq %d failed: it may only end now", seq.seq_id)
                 grammar = None
             if grammar is None or grammar.failed:
+                self._dead_end(seq, grammar)
                 set_only(bitmask[k], self.eos_token_ids)
             else:
                 live.append((grammar, k))
@@ -124,10 +137,22 @@ class StructuredOutputManager:
                     grammar.wrap_up_from = seq.num_output_tokens
         self.backend.fill_bitmask(live, bitmask)
         for grammar, k in live:
-            if grammar.wrap_up_from is not None:
+            if grammar.failed:  # found while computing the mask: no token extends the output
+                self._dead_end(seqs[rows[k]], grammar)
+                set_only(bitmask[k], self.eos_token_ids)
+        for grammar, k in live:
+            if grammar.wrap_up_from is not None and not grammar.failed:
                 seq = seqs[rows[k]]
                 self.wrap_up_masks.narrow(bitmask[k], may_end=seq.num_output_tokens >= seq.params.min_tokens)
         return GrammarMask(rows, bitmask)
+
+    @staticmethod
+    def _dead_end(seq: Sequence, grammar: GuidanceGrammar | None) -> None:
+        """Mark ``seq`` as ending with finish_reason "error": its constraint can no longer be satisfied."""
+        if seq.constraint_error is None:
+            seq.constraint_error = grammar.error if grammar is not None else "the grammar failed"
+            logger.warning("seq %d: its output can no longer satisfy its constraint (%s): it ends with "
+                           "finish_reason 'error'", seq.seq_id, seq.constraint_error)
 
     def should_wrap_up(self, seq: Sequence, grammar: GuidanceGrammar) -> bool:
         """A JSON document whose model repeats itself, or whose tokens left barely close it (see wrap_up.py)."""
@@ -150,6 +175,7 @@ class StructuredOutputManager:
         return self._wrap_up_masks
 
     def close(self) -> None:
+        self.compiler.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -245,12 +245,13 @@ class OpenAIServing:
                           "total_tokens": prompt + completion_tokens}}
 
     async def compile_constraint(self, params: SamplingParams, field: str | None) -> None:
-        """Compile the request's output constraint on the tokenizing thread (the engine then finds it
-        compiled); a 400 naming ``field`` when the schema, regex or grammar is invalid."""
+        """Compile the request's output constraint on the compile thread (the engine then finds it
+        compiled), while the event loop serves everyone else; a 400 naming ``field`` when the schema,
+        regex or grammar is invalid, beyond a limit, or unsatisfiable."""
         if params.structured_outputs is None:
             return
         try:
-            await self.off_loop(self.llm.structured_output.validate, params)
+            await asyncio.wrap_future(self.llm.structured_output.submit(params.structured_outputs))
         except ValueError as e:
             raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from e
 
