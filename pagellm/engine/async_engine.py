@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagellm.core.sequence import Request
@@ -104,6 +105,10 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._step: asyncio.Future | None = None
+        # Every step on one long-lived thread: glibc gives each thread its own malloc arena, and
+        # keep_freed_memory (worker/cpu_tuning.py) lets each arena keep what a step freed, so steps
+        # spread over a rotating pool of threads would each grow an arena of their own.
+        self._step_thread: ThreadPoolExecutor | None = None
         self._closing = False
         self._faults_in_a_row: dict[Hashable, int] = {}
         # Reads of the engine's state asked for while a step ran (read_between_steps): served after it.
@@ -146,6 +151,9 @@ class AsyncLLMEngine:
         for stream in self._final_on_abort.values():
             stream.put(EngineDeadError("the server is shutting down"))
         self._final_on_abort.clear()
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=False)
+            self._step_thread = None
         self.engine.shutdown()
 
     def abort_all(self) -> int:
@@ -380,7 +388,9 @@ class AsyncLLMEngine:
             return
         # A task of its own, so that stop() can wait for a step still running in its thread
         # before it touches the engine.
-        self._step = asyncio.ensure_future(asyncio.to_thread(engine.step))
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-step")
+        self._step = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._step_thread, engine.step))
         try:
             outputs = await asyncio.shield(self._step)
         except asyncio.CancelledError:
