@@ -95,6 +95,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.running: list[Sequence] = []
+        # Sequences held out of scheduling, in their state, while others run alone (step_isolation.py).
+        self.held: list[Sequence] = []
         self.stats = SchedulerStats()
         self._finished_seq_ids: list[int] = []
 
@@ -108,7 +110,7 @@ class Scheduler:
         bisect.insort(queue, seq, key=self.policy.key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.held)
 
     @property
     def num_running(self) -> int:
@@ -424,6 +426,8 @@ class Scheduler:
             return
         if seq in seq.request.pending_children:
             seq.request.pending_children.remove(seq)
+        elif seq in self.held:
+            self.held.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:

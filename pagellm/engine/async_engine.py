@@ -4,11 +4,12 @@ The engine itself is not thread-safe. Steps run in a worker thread (so the event
 loop keeps serving HTTP), and every change to the engine's queues (adds, aborts)
 is applied by the loop between two steps, never during one.
 
-Faults are isolated: a request that fails to be admitted fails alone; a step that raises fails the
-requests of its batch (their blocks are freed) while the rest stay queued; a callback that raises
-is skipped for that step. The same failure ``MAX_FAULTS_IN_A_ROW`` times in a row, or any error
-outside a request's scope, is fatal: every request fails, ``health()`` says why and
-``fatal_callbacks`` run (the server exits non-zero there, so a supervisor restarts it).
+Faults are isolated: a request that fails to be admitted fails alone; a step that raises is run
+again in smaller groups until the request that fails alone is found, and only that one fails (its
+blocks are freed; see step_bisection.py); a callback that raises is skipped for that step. The
+same failure ``MAX_FAULTS_IN_A_ROW`` times in a row, or any error outside a request's scope, is
+fatal: every request fails, ``health()`` says why and ``fatal_callbacks`` run (the server exits
+non-zero there, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagellm.core.sequence import Request
 from pagellm.distributed.tensor_parallel import WorkerDiedError
 from pagellm.engine.faults import FaultInjector
 from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.step_bisection import StepBisection
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.text import plural
@@ -118,6 +120,7 @@ class AsyncLLMEngine:
         # Called once, with the error, when the engine fails for good (the server exits on it).
         self.fatal_callbacks: list[Callable[[BaseException], None]] = []
         self.fatal_error: BaseException | None = None
+        self._bisection = StepBisection(engine)
         self.faults = FaultInjector.from_env() if faults is None else faults
         if "step" in self.faults.points:
             self._inject_step_faults()
@@ -323,17 +326,25 @@ class AsyncLLMEngine:
             self._faults_in_a_row.pop(key, None)
 
     def _step_failed(self, error: Exception) -> None:
-        """Fail the requests of the step's batch (aborted before the next step, which frees their
-        blocks); the others stay queued."""
+        """Fail the requests the fault is found to be (aborted before the next step, which frees their
+        blocks): a request that failed alone, or the whole batch when which requests the step touched
+        is unknown. A batch of several is run again in smaller groups first (step_bisection.py)."""
         ids = self.engine.last_step_request_ids()
         if ids is None:  # which requests the step touched is unknown: none of them can be trusted
             ids = list(self.engine.requests)
-        for rid in ids:
+            to_fail = ids
+        else:
+            to_fail = self._bisection.failed(ids)
+        if not to_fail:
+            logger.error("an engine step failed (%s: %s); its requests run again in smaller groups",
+                         type(error).__name__, error)
+            return
+        for rid in to_fail:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream.put(RequestFailedError(f"engine step failed: {type(error).__name__}: {error}"))
             self._pending_aborts.append(rid)
-        self._fault("step", error, f"an engine step ({plural(len(ids), 'request')} in its batch)")
+        self._fault("step", error, f"an engine step ({plural(len(to_fail), 'request')} in its batch)")
 
     def _die(self, error: Exception) -> None:
         """The engine cannot go on: fail every request, refuse new ones, tell the server."""
@@ -390,6 +401,7 @@ class AsyncLLMEngine:
         # before it touches the engine.
         if self._step_thread is None:
             self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-step")
+        self._bisection.before_step()
         self._step = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._step_thread, engine.step))
         try:
             outputs = await asyncio.shield(self._step)
@@ -402,6 +414,7 @@ class AsyncLLMEngine:
             self._step_failed(e)
             return
         self._serve_reads()
+        self._bisection.succeeded()
         self._fault_cleared("step")
         for out in outputs:
             stream = self._streams.get(out.request_id)

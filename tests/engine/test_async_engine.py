@@ -79,24 +79,37 @@ def test_a_failed_admission_fails_that_request_alone(llama_path):
     assert_engine_empty(engine)
 
 
-def test_a_failed_step_fails_its_batch_only_and_frees_its_blocks(llama_path):
-    # Two seats: "a" and the victim share the first step's batch; "b" waits and is not touched.
-    engine = make_engine(llama_path, max_num_seqs=2)
+def generate_alone(engine: LLMEngine, prompt: str) -> list[int]:
+    engine.add_request(prompt, prompt, SHORT)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return list(out.outputs[0].token_ids)
+
+
+def test_a_failed_step_fails_only_the_request_that_fails_alone(llama_path, caplog):
+    # Four seats: the victim shares its batch with three others; "late" waits and is not touched.
+    engine = make_engine(llama_path, max_num_seqs=4)
     engine_blocks = engine.kv_cache_manager.num_blocks
+    alone = make_engine(llama_path, max_num_seqs=4)
 
     async def body(ae: AsyncLLMEngine) -> None:
-        streams = [ae.add_request("a", "Hello", SHORT), ae.add_request("victim", "POISON", SHORT),
-                   ae.add_request("b", "Bye", SHORT)]
-        (_, err_a), (_, err_v), (out_b, err_b) = await asyncio.gather(*(drain(s) for s in streams))
-        assert isinstance(err_a, RequestFailedError) and isinstance(err_v, RequestFailedError)
-        assert "InjectedFault" in str(err_v)
-        assert err_b is None and out_b.finished and out_b.outputs[0].finish_reason == "length"
+        prompts = {"a": "Hello", "victim": "POISON", "b": "Bye", "c": "Again", "late": "Later"}
+        streams = [ae.add_request(rid, p, SHORT) for rid, p in prompts.items()]
+        results = dict(zip(prompts, await asyncio.gather(*(drain(s) for s in streams))))
+        _, err_v = results.pop("victim")
+        assert isinstance(err_v, RequestFailedError) and "InjectedFault" in str(err_v)
+        for rid, (out, err) in results.items():  # the same tokens as if the step had never failed
+            assert err is None and out.finished and out.outputs[0].finish_reason == "length", rid
+            assert out.outputs[0].token_ids == generate_alone(alone, prompts[rid]), rid
         assert ae.health() is None
-        await asyncio.sleep(0.05)  # the loop applies the batch's aborts before its next step
+        await asyncio.sleep(0.05)  # the loop applies the victim's abort before its next step
         assert engine.kv_cache_manager.num_free_blocks == engine_blocks
 
-    run(engine, "step:prompt_contains=POISON", body)
+    with caplog.at_level(logging.WARNING):
+        run(engine, "step:prompt_contains=POISON,times=inf", body)
     assert_engine_empty(engine)
+    assert any("running them again in groups" in r.getMessage() for r in caplog.records)
 
 
 def test_a_step_failure_then_a_good_step_is_not_fatal(llama_path):

@@ -39,7 +39,8 @@ def start(llama_path, faults: str) -> RemoteServer:
 
 @pytest.fixture(scope="module")
 def server(llama_path):
-    srv = start(llama_path, "admit:prompt_contains=ADMIT-POISON;step:prompt_contains=STEP-POISON;callback:times=1")
+    srv = start(llama_path, "admit:prompt_contains=ADMIT-POISON;step:prompt_contains=STEP-POISON,times=inf;"
+                            "callback:times=1")
     yield srv
     assert srv.stop() == 0
 
