@@ -159,21 +159,23 @@ class ConstraintCompiler:
         self._probe = Probe(backend)
         self._lock = threading.Lock()
 
-    def submit(self, so: StructuredOutputsParams, then: Callable[[Any], None] | None = None) -> Future[Any]:
-        """Compile ``so`` on the compile thread: a future of its template matcher, or of the ValueError
-        saying why it is refused. ``then(template)`` runs on that thread after a success."""
+    def run(self, job: Callable[[], T]) -> Future[T]:
+        """``job()`` on the compile thread, after the jobs before it."""
         with self._lock:
             if self._thread is None:
                 self._thread = CompileThread()
-            thread = self._thread
+            return self._thread.submit(job)
 
+    def submit(self, so: StructuredOutputsParams, then: Callable[[Any], None] | None = None) -> Future[Any]:
+        """Compile ``so`` on the compile thread: a future of its template matcher, or of the ValueError
+        saying why it is refused. ``then(template)`` runs on that thread after a success."""
         def job() -> Any:
             template = self.compile(so)
             if then is not None:
                 then(template)
             return template
 
-        return thread.submit(job)
+        return self.run(job)
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The template matcher of ``so`` (on the calling thread); ValueError saying why it is refused."""

@@ -61,6 +61,12 @@ class StructuredOutputManager:
     def limits(self) -> ConstraintLimits:
         return self.compiler.limits
 
+    def warm_up(self) -> Future[Any]:
+        """Build the grammar engine's view of the vocabulary on the compile thread now (a server does
+        it as it starts): building it holds the interpreter for a moment, which the first constrained
+        request would otherwise cost every running stream."""
+        return self.compiler.run(lambda: self.backend.tokenizer)
+
     # ------------------------------------------------------------ admission
     def validate(self, params: SamplingParams) -> None:
         """Compile the request's constraint (or find it compiled); ValueError naming what is invalid."""

@@ -246,6 +246,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
     ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
+    engine.structured_output.warm_up()
     metrics = EngineMetrics(engine, model_name)
     async_engine.step_callbacks.append(metrics.on_step)
     if not engine.args.disable_log_stats:
