@@ -27,8 +27,9 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import UNIMPLEMENTED, GuidanceBackend, grammar_text
@@ -149,6 +150,17 @@ class Probe:
         self.kill()
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Why a constraint was refused: kept (and cached) as text, each request raising a fresh ValueError
+    (one exception object raised again and again would grow its traceback every time)."""
+
+    message: str
+
+    def raise_(self) -> NoReturn:
+        raise ValueError(self.message)
+
+
 class ConstraintCompiler:
     """Constraints to template matchers, one at a time on the compile thread (see the module's docstring)."""
 
@@ -167,10 +179,13 @@ class ConstraintCompiler:
             return self._thread.submit(job)
 
     def submit(self, so: StructuredOutputsParams, then: Callable[[Any], None] | None = None) -> Future[Any]:
-        """Compile ``so`` on the compile thread: a future of its template matcher, or of the ValueError
+        """Compile ``so`` on the compile thread: a future of its template matcher, or of a ``Refused``
         saying why it is refused. ``then(template)`` runs on that thread after a success."""
         def job() -> Any:
-            template = self.compile(so)
+            try:
+                template = self.compile(so)
+            except ValueError as e:
+                return Refused(str(e))
             if then is not None:
                 then(template)
             return template

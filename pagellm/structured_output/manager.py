@@ -19,7 +19,7 @@ from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
-from pagellm.structured_output.compiler import ConstraintCompiler
+from pagellm.structured_output.compiler import ConstraintCompiler, Refused
 from pagellm.structured_output.limits import ConstraintLimits
 from pagellm.structured_output.wrap_up import (
     LOOKAHEAD,
@@ -74,7 +74,7 @@ class StructuredOutputManager:
             self.template(params.structured_outputs)
 
     def submit(self, so: StructuredOutputsParams) -> Future[Any]:
-        """A future of the constraint's template matcher (or of the ValueError saying why it is refused):
+        """A future of the constraint's template matcher (or of a ``Refused`` saying why it is refused):
         done at once when the constraint was seen before, else compiled on the compile thread. Requests
         with the same constraint share one compilation."""
         key = so.key()
@@ -96,7 +96,14 @@ class StructuredOutputManager:
 
     def template(self, so: StructuredOutputsParams) -> Any:
         """The constraint's template matcher, waiting for its compilation; ValueError if refused."""
-        return self.submit(so).result()
+        return self.accepted(self.submit(so).result())
+
+    @staticmethod
+    def accepted(compiled: Any) -> Any:
+        """The template matcher a ``submit`` future gave; ValueError if it gave a refusal."""
+        if isinstance(compiled, Refused):
+            compiled.raise_()
+        return compiled
 
     # ------------------------------------------------------------------ step
     def grammar_for(self, seq: Sequence) -> GuidanceGrammar:

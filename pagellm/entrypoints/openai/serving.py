@@ -251,7 +251,8 @@ class OpenAIServing:
         if params.structured_outputs is None:
             return
         try:
-            await asyncio.wrap_future(self.llm.structured_output.submit(params.structured_outputs))
+            manager = self.llm.structured_output
+            manager.accepted(await asyncio.wrap_future(manager.submit(params.structured_outputs)))
         except ValueError as e:
             raise APIError(400, f"{field}: {e}" if field else str(e), param=field) from e
 
