@@ -108,10 +108,19 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every physical block: allocation, ref counts and the free queue.
 
-    Blocks are created lazily: never-used blocks (ids ``len(self._blocks)`` and up) wait
-    ahead of the free queue, in id order, exactly where an eager pool's initial free
-    queue would hold them. So a large pool (the CPU swap pool) costs nothing up front.
+    Blocks are created lazily: never-used blocks (ids ``len(self._blocks)`` and up) are
+    taken in id order, ahead of the free queue while the blocks taken so far number fewer
+    than ``GROWTH`` times the most ever in use at once, behind it after that. The pools'
+    pages become resident as their blocks are first written (worker/cpu_tuning.py), so a
+    pool's resident part follows its peak use: freed blocks keep their cached prefixes
+    through a burst, but a long run of new prefixes does not walk the whole pool (and make
+    all of it resident) when the load stays the same. So a large pool (the CPU swap pool)
+    costs nothing up front.
     """
+
+    # The blocks ever taken, as a multiple of the most in use at once, past which freed
+    # blocks are reused (their cached prefixes evicted) before never-used ones are taken.
+    GROWTH = 2
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -123,6 +132,7 @@ class BlockPool:
         self.cached_blocks: dict[int, KVBlock] = {}
         # How many of those are free: kept up to date, as the metrics read it every step.
         self._num_cached_free = 0
+        self._peak_used = 0
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -134,8 +144,10 @@ class BlockPool:
         return self._blocks
 
     def free_order(self) -> list[int]:
-        """Ids of the free blocks in the order they will be allocated (evicted)."""
-        return list(range(len(self._blocks), self.num_blocks)) + [b.block_id for b in self.free_queue]
+        """Ids of the free blocks in the order they will be allocated (evicted), one at a time."""
+        fresh = list(range(len(self._blocks), self.num_blocks))
+        ahead = max(0, self.GROWTH * max(self._peak_used, self.num_used_blocks + 1) - len(self._blocks))
+        return fresh[:ahead] + [b.block_id for b in self.free_queue] + fresh[ahead:]
 
     @property
     def num_fresh_blocks(self) -> int:
@@ -153,9 +165,11 @@ class BlockPool:
         """Take ``n`` blocks off the free queue (evicting cached contents) with ref count 1."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
+        self._peak_used = max(self._peak_used, self.num_used_blocks + n)
+        grow_to = self.GROWTH * self._peak_used
         out = []
         for _ in range(n):
-            if self.num_fresh_blocks:
+            if self.num_fresh_blocks and (not self.free_queue.num_free or len(self._blocks) < grow_to):
                 block = KVBlock(len(self._blocks))
                 self._blocks.append(block)
             else:
@@ -170,6 +184,7 @@ class BlockPool:
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
             self._num_cached_free -= block.block_hash is not None
+            self._peak_used = max(self._peak_used, self.num_used_blocks)
         block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

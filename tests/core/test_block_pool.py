@@ -44,7 +44,7 @@ def test_shared_block_is_freed_only_when_last_reference_drops():
     pool.free([b])
     assert b.ref_cnt == 1 and pool.num_free_blocks == 2
     pool.free([b])
-    assert b.ref_cnt == 0 and free_ids(pool) == [1, 2, 0]
+    assert b.ref_cnt == 0 and free_ids(pool) == [1, 0, 2]  # block 1 within twice the peak use, then 0
     pool.assert_consistent()
 
 
@@ -85,13 +85,34 @@ def test_cached_hash_is_dropped_when_the_block_is_reused():
     pool.assert_consistent()
 
 
-def test_blocks_are_created_lazily_in_the_order_an_eager_pool_would_use():
+def test_blocks_are_created_lazily_in_id_order():
     pool = BlockPool(1_000_000)  # a huge swap pool costs nothing up front
     assert pool.num_free_blocks == 1_000_000 and len(pool._blocks) == 0
     a = pool.allocate(3)
     pool.free([a[1]])
-    assert pool.free_order()[:3] == [3, 4, 5] and pool.free_order()[-1] == 1
-    assert [b.block_id for b in pool.allocate(2)] == [3, 4]  # never-used blocks before freed ones
+    # Never-used blocks before freed ones while fewer than twice the peak use have been taken.
+    assert pool.free_order()[:5] == [3, 4, 5, 1, 6]
+    assert [b.block_id for b in pool.allocate(2)] == [3, 4]
+
+
+def test_never_used_blocks_are_taken_up_to_twice_the_most_ever_in_use():
+    """A pool's pages become resident as its blocks are first written: at a steady load, new prefixes
+    reuse freed blocks (evicting the least recently freed) once twice the peak use has been taken."""
+    pool = BlockPool(100)
+    for i in range(50):  # three blocks at a time, each with a prefix of its own
+        blocks = pool.allocate(3)
+        for j, b in enumerate(blocks):
+            key = (None, (i, j), None)
+            pool.cache_block(b, hash_block_key(key), key)
+        pool.free(reversed(blocks))
+    assert pool.num_fresh_blocks == 94 and pool.free_order()[:6] == [2, 1, 0, 5, 4, 3]
+    key = (None, (49, 0), None)
+    assert pool.lookup(hash_block_key(key), key) is not None  # the latest prefixes are still cached
+    burst = pool.allocate(10)  # a higher peak: never-used blocks again, up to twice the new peak
+    assert [b.block_id for b in burst] == list(range(6, 16))
+    pool.free(reversed(burst))
+    assert [b.block_id for b in pool.allocate(10)] == [16, 17, 18, 19, 2, 1, 0, 5, 4, 3]
+    pool.assert_consistent()
 
 
 def _count_cached_free(pool: BlockPool) -> int:
