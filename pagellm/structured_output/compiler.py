@@ -87,18 +87,18 @@ class Probe:
         self._process: subprocess.Popen[str] | None = None
         self._tokenizer_json: str | None = None
 
-    def _start(self, timeout: float) -> subprocess.Popen[str]:
+    def tokenizer_json(self) -> str:
+        """The tokenizer as the probe reads it (serialized once; the probe drops its padding and
+        truncation settings, as llguidance's own loader does)."""
         if self._tokenizer_json is None:
-            from copy import copy
+            self._tokenizer_json = self.backend.hf_tokenizer.backend_tokenizer.to_str()
+        return self._tokenizer_json
 
-            backend_tokenizer = copy(self.backend.hf_tokenizer.backend_tokenizer)
-            backend_tokenizer.no_padding()
-            backend_tokenizer.no_truncation()
-            self._tokenizer_json = backend_tokenizer.to_str()
+    def _start(self, timeout: float) -> subprocess.Popen[str]:
         process = subprocess.Popen([sys.executable, "-I", str(PROBE_SCRIPT)], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._process = process
-        self._send({"tokenizer": self._tokenizer_json, "n_vocab": self.backend.vocab_size,
+        self._send({"tokenizer": self.tokenizer_json(), "n_vocab": self.backend.vocab_size,
                     "eos": self.backend.eos_token_ids, "stack_mb": STACK_MB})
         if self._receive(timeout) is None:
             raise RuntimeError("the grammar probe did not start")
@@ -177,6 +177,10 @@ class ConstraintCompiler:
             if self._thread is None:
                 self._thread = CompileThread()
             return self._thread.submit(job)
+
+    def prepare_probe(self) -> None:
+        """Serialize the tokenizer for the probe now (it is sent to every probe started)."""
+        self._probe.tokenizer_json()
 
     def submit(self, so: StructuredOutputsParams, then: Callable[[Any], None] | None = None) -> Future[Any]:
         """Compile ``so`` on the compile thread: a future of its template matcher, or of a ``Refused``

@@ -62,10 +62,14 @@ class StructuredOutputManager:
         return self.compiler.limits
 
     def warm_up(self) -> Future[Any]:
-        """Build the grammar engine's view of the vocabulary on the compile thread now (a server does
-        it as it starts): building it holds the interpreter for a moment, which the first constrained
-        request would otherwise cost every running stream."""
-        return self.compiler.run(lambda: self.backend.tokenizer)
+        """Build the grammar engine's view of the vocabulary, and the probe's, on the compile thread now
+        (a server does it as it starts): building them holds the interpreter for a moment, which the
+        first constrained request would otherwise cost every running stream."""
+        def build() -> None:
+            _ = self.backend.tokenizer
+            self.compiler.prepare_probe()
+
+        return self.compiler.run(build)
 
     # ------------------------------------------------------------ admission
     def validate(self, params: SamplingParams) -> None:

@@ -83,7 +83,9 @@ def main() -> None:
     import llguidance
 
     setup = json.loads(sys.stdin.readline())
-    tokenizer = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None)
+    spec = json.loads(setup["tokenizer"])
+    spec["padding"] = spec["truncation"] = None  # (what llguidance's loader clears too)
+    tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None)
     threading.stack_size(setup["stack_mb"] << 20)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
