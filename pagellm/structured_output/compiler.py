@@ -100,8 +100,11 @@ class Probe:
         self._process = process
         self._send({"tokenizer": self.tokenizer_json(), "n_vocab": self.backend.vocab_size,
                     "eos": self.backend.eos_token_ids, "stack_mb": STACK_MB})
-        if self._receive(timeout) is None:
-            raise RuntimeError("the grammar probe did not start")
+        ready = self._receive(timeout)
+        if ready is None or not ready.get("ready"):
+            self.kill()
+            why = ready.get("error") if ready else None
+            raise RuntimeError(f"the grammar probe did not start: {why or 'it exited'}")
         return process
 
     def _send(self, message: dict[str, Any]) -> None:

@@ -37,14 +37,25 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 256
 
 
+def tokenizer_size(tokenizer: Any) -> int:
+    """How many ids ``tokenizer`` has, added tokens included (0 where it cannot say)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return 0
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], max_model_len: int,
                  cache_size: int = DEFAULT_CACHE_SIZE, limits: ConstraintLimits | None = None) -> None:
-        self.vocab_size = vocab_size
+        # The grammar's vocabulary covers every id the model can produce (an embedding padded past the
+        # tokenizer) and every id the tokenizer has (transformers may add tokens past a checkpoint's
+        # embedding, which llguidance must still know): masks are cut to the logits when applied.
+        self.vocab_size = max(vocab_size, tokenizer_size(tokenizer))
         self.max_model_len = max_model_len
         self._wrap_up_masks: WrapUpMasks | None = None
         self.eos_token_ids = sorted(eos_token_ids)
-        self.backend = GuidanceBackend(tokenizer, vocab_size, self.eos_token_ids)
+        self.backend = GuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
         self.compiler = ConstraintCompiler(self.backend, limits)
         self.cache_size = cache_size
         # Compiled constraints by their text, and those refused (with why): a client that repeats a

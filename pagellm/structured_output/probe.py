@@ -85,7 +85,12 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     spec = json.loads(setup["tokenizer"])
     spec["padding"] = spec["truncation"] = None  # (what llguidance's loader clears too)
-    tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=setup["n_vocab"], eos_token=setup["eos"] or None)
+    try:
+        tokenizer = llguidance.LLTokenizer(json.dumps(spec), n_vocab=setup["n_vocab"],
+                                           eos_token=setup["eos"] or None)
+    except Exception as e:  # the server says why, rather than that the probe died
+        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
+        return
     threading.stack_size(setup["stack_mb"] << 20)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
