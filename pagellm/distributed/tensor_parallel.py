@@ -124,7 +124,7 @@ class TensorParallelDriver:
     def __init__(self, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> None:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first "
-                               "(llm.llm_engine.shutdown())")
+                               "(llm.shutdown(), `with LLM(...) as llm:`, or `del llm` and gc.collect())")
         if args.master_port is None:
             args = dataclasses.replace(args, master_port=free_port())
         if device.type == "cuda" and torch.cuda.device_count() < local_world_size(args):

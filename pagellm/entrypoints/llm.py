@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, cast
@@ -39,6 +40,19 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
+        # The engine's processes (tensor-parallel workers, the grammar probe) end with this object:
+        # ``del llm; gc.collect()`` frees them for the next LLM, as in vLLM; so does ``with LLM(...)``.
+        self._shutdown = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (the LLM computes nothing after this)."""
+        self._shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -182,3 +182,25 @@ def test_rank_0_failing_after_the_workers_started_stops_them(tmp_path):
         LLM(str(path), max_model_len=64, num_kv_blocks=2, tensor_parallel_size=2)
     llm = LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)  # nothing left behind
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_a_collected_or_closed_llm_frees_its_workers_for_the_next(tmp_path):
+    """vLLM's way between engines: ``del llm; gc.collect()``, or a ``with`` block."""
+    import gc
+
+    path = build_checkpoint(tmp_path / "m", "llama", num_key_value_heads=2)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    first = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids
+    workers = list(llm.llm_engine.tensor_parallel.procs)
+    del llm
+    gc.collect()
+    assert all(p.poll() is not None for p in workers)  # stopped, not left running
+    with LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2) as llm:
+        assert llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids == first
+        workers = list(llm.llm_engine.tensor_parallel.procs)
+    assert all(p.poll() is not None for p in workers)
+    again = LLM(str(path), max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+    assert again.generate("Hello", params, use_tqdm=False)[0].outputs[0].token_ids == first
+    again.shutdown()
