@@ -79,6 +79,15 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Decides each step's batch: owns the waiting, running and swapped queues and the token budget,
+    and through ``KVCacheManager`` every block the sequences hold.
+
+    Invariants: a sequence is in at most one queue (``held`` during step isolation counts as one); a
+    running sequence holds blocks for every token it has computed; a waiting one holds none; a
+    swapped one holds CPU blocks only; a step never schedules more than ``max_num_batched_tokens``
+    tokens or ``max_num_seqs`` sequences; ``update`` is the only place computed tokens advance.
+    """
+
     def __init__(
         self,
         config: SchedulerConfig,

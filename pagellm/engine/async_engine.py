@@ -94,6 +94,11 @@ T = TypeVar("T")
 
 
 class AsyncLLMEngine:
+    """The server's engine loop: owns the ``LLMEngine``, one output stream per request, and the fault
+    guard. Adds and aborts are queued by the event loop and applied between two steps; steps run on
+    one long-lived thread; a fault fails the requests it is found to be (see the module docstring).
+    """
+
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
                  faults: FaultInjector | None = None) -> None:
         """``faults``: test-only fault injection (default: the rules in ``$PAGELLM_TEST_FAULTS``, if any)."""

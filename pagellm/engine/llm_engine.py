@@ -82,6 +82,16 @@ class EngineStats:
 
 
 class LLMEngine:
+    """The engine of one model: owns the model, its KV cache (``CacheEngine`` and ``KVCacheManager``),
+    the ``Scheduler``, the ``ModelRunner`` and the requests in flight (``requests``, by id).
+
+    ``step`` is the only thing that computes: schedule, run the model, apply the samples, detokenize.
+    Invariants: every request in ``requests`` is unfinished and its sequences are in exactly one of the
+    scheduler's queues (or held, or a pending fork); a finished or aborted request has returned every
+    block it held; the engine is not thread-safe (the server steps it from one thread, and changes its
+    queues only between steps).
+    """
+
     device: torch.device
     dtype: torch.dtype
 

@@ -63,9 +63,9 @@ class EngineMetrics:
         # Create every series up front so that /metrics lists them before the first request.
         for metric in (self.pc_queries, self.pc_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.ttft, self.itl, self.e2e, self.queue_time):
-            self._l(metric)
+            self._labelled(metric)
         for reason in ("stop", "length", "abort", "error"):
-            self._l(self.success, finished_reason=reason)
+            self._labelled(self.success, finished_reason=reason)
         # Per request id: each sequence's (tokens seen, time of its last token), for inter-token latency.
         self._seq_tokens: dict[str, dict[int, tuple[int, float]]] = {}
         self._window: deque[tuple[float, int]] = deque()
@@ -79,7 +79,8 @@ class EngineMetrics:
         self._never_scheduled = 0
         self._refresh()
 
-    def _l(self, metric, **extra: str):  # type: ignore[no-untyped-def]
+    def _labelled(self, metric, **extra: str):  # type: ignore[no-untyped-def]
+        """``metric``'s child for this server's model (and ``extra`` labels)."""
         return metric.labels(model_name=self.model_name, **extra)
 
     # The engine's state is read only in on_step, which the serving loop calls between two steps
@@ -93,12 +94,12 @@ class EngineMetrics:
                 seen, last = seqs.get(c.index, (0, 0.0))
                 if len(c.token_ids) > seen:
                     if seen:
-                        self._l(self.itl).observe(now - last)
+                        self._labelled(self.itl).observe(now - last)
                     seqs[c.index] = (len(c.token_ids), now)
             if out.finished:
                 self._seq_tokens.pop(out.request_id, None)
                 for c in out.outputs:  # one per returned sample, as vLLM counts n > 1 (child requests)
-                    self._l(self.success, finished_reason=c.finish_reason or "abort").inc()
+                    self._labelled(self.success, finished_reason=c.finish_reason or "abort").inc()
                 self._observe_latencies(out.metrics)
         self._refresh(now)
 
@@ -108,38 +109,38 @@ class EngineMetrics:
         # Each sample it would have returned: those that had finished keep their reason.
         for seq in request.seqs[: request.sampling_params.n]:
             reason = seq.status.finish_reason if seq.status.is_finished else None
-            self._l(self.success, finished_reason=reason or "abort").inc()
+            self._labelled(self.success, finished_reason=reason or "abort").inc()
         self._observe_latencies(request.metrics, finished_time=self.clock())
 
     def _observe_latencies(self, m: RequestMetrics | None, finished_time: float | None = None) -> None:
         if m is None:
             return
         if m.first_token_time is not None:
-            self._l(self.ttft).observe(m.first_token_time - m.arrival_time)
+            self._labelled(self.ttft).observe(m.first_token_time - m.arrival_time)
         if m.first_scheduled_time is not None:
-            self._l(self.queue_time).observe(m.first_scheduled_time - m.arrival_time)
+            self._labelled(self.queue_time).observe(m.first_scheduled_time - m.arrival_time)
         end = m.finished_time if m.finished_time is not None else finished_time
         if end is not None:
-            self._l(self.e2e).observe(end - m.arrival_time)
+            self._labelled(self.e2e).observe(end - m.arrival_time)
 
     def _refresh(self, now: float | None = None) -> None:
         """Gauges and counters from the engine's stats (between steps only)."""
         now = now if now is not None else self.clock()
         self._trim_window(now)
         stats = self.engine.get_stats()
-        self._l(self.running).set(stats.num_running)
-        self._l(self.waiting).set(stats.num_waiting)
-        self._l(self.swapped).set(stats.num_swapped)
-        self._l(self.kv_usage).set(stats.kv_cache_usage)
-        self._l(self.blocks_util).set(stats.kv_cache_usage)
-        self._l(self.kv_util).set(stats.kv_cache_utilization)
+        self._labelled(self.running).set(stats.num_running)
+        self._labelled(self.waiting).set(stats.num_waiting)
+        self._labelled(self.swapped).set(stats.num_swapped)
+        self._labelled(self.kv_usage).set(stats.kv_cache_usage)
+        self._labelled(self.blocks_util).set(stats.kv_cache_usage)
+        self._labelled(self.kv_util).set(stats.kv_cache_utilization)
         self._never_scheduled = stats.num_never_scheduled
         if stats.sla_attainment is not None:
-            self._l(self.sla).set(stats.sla_attainment)
+            self._labelled(self.sla).set(stats.sla_attainment)
         for field, counter in self._from_totals.items():
             total = getattr(stats, field)
             if total > self._counted[field]:
-                self._l(counter).inc(total - self._counted[field])
+                self._labelled(counter).inc(total - self._counted[field])
                 if counter is self.generation_tokens:
                     self._window.append((now, total - self._counted[field]))
                 self._counted[field] = total
@@ -151,6 +152,6 @@ class EngineMetrics:
     def render(self, pending: int = 0) -> bytes:
         """The exposition; ``pending``: requests accepted but not yet handed to the engine."""
         self._trim_window(self.clock())  # here too: an idle server's throughput falls to 0
-        self._l(self.throughput).set(sum(n for _, n in self._window) / THROUGHPUT_WINDOW_S)
-        self._l(self.pending).set(self._never_scheduled + pending)
+        self._labelled(self.throughput).set(sum(n for _, n in self._window) / THROUGHPUT_WINDOW_S)
+        self._labelled(self.pending).set(self._never_scheduled + pending)
         return generate_latest(self.registry)

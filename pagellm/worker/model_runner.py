@@ -61,6 +61,14 @@ class StepBatch:
 
 
 class ModelRunner:
+    """Runs one scheduled step on the model: owns the model, the KV pools (``CacheEngine``) and the
+    ``Sampler``, and turns a ``SchedulerOutput`` into a ``ModelRunnerOutput`` (one sample per sampled
+    sequence, prompt logprobs where asked).
+
+    It reads the scheduler's block tables and never changes them; block moves (swap, copy-on-write)
+    are applied before the forward pass; a step's result depends only on its schedule and the pools.
+    """
+
     def __init__(
         self,
         model: Any,
