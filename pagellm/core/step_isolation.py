@@ -39,7 +39,10 @@ def hold_all_but(scheduler: Scheduler, requests: Collection[Request]) -> None:
 
 
 def release(scheduler: Scheduler) -> None:
-    """Every held sequence back in the queue of its state."""
+    """Every held sequence back in the queue of its state (nothing to do, and no sorting, when none is
+    held: the engine loop calls this between steps)."""
+    if not scheduler.held:
+        return
     held, scheduler.held = scheduler.held, []
     for seq in held:
         if seq.status is SequenceStatus.RUNNING:

@@ -148,17 +148,15 @@ class GuidanceGrammar:
 
     @property
     def error(self) -> str:
+        """Why the grammar failed, in one line."""
         if self.matcher is None:
             return "the grammar failed"
         return str(self.matcher.get_error()).split("\n")[0] or f"no way on ({self.matcher.stop_reason()})"
 
-    @property
-    def is_terminated(self) -> bool:
-        return self.failed or bool(self.matcher.is_stopped())
-
 
 class GuidanceBackend:
-    """llguidance over one tokenizer: compiles constraints and fills batches' token bitmasks."""
+    """llguidance over one tokenizer: matchers of grammars (compiler.py decides which), and batches'
+    token bitmasks."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.hf_tokenizer = tokenizer
@@ -169,7 +167,7 @@ class GuidanceBackend:
 
     @property
     def tokenizer(self) -> Any:
-        """The llguidance view of the vocabulary: built once, on the first constrained request."""
+        """The llguidance view of the vocabulary: built once (a server builds it as it starts)."""
         if self._tokenizer is None:
             import llguidance.hf
 

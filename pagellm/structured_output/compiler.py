@@ -101,10 +101,9 @@ class Probe:
         self._send({"tokenizer": self.tokenizer_json(), "n_vocab": self.backend.vocab_size,
                     "eos": self.backend.eos_token_ids, "stack_mb": STACK_MB})
         ready = self._receive(timeout)
-        if ready is None or not ready.get("ready"):
+        if not ready.get("ready"):
             self.kill()
-            why = ready.get("error") if ready else None
-            raise RuntimeError(f"the grammar probe did not start: {why or 'it exited'}")
+            raise RuntimeError(f"the grammar probe did not start: {ready.get('error', 'it exited')}")
         return process
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -112,35 +111,29 @@ class Probe:
         self._process.stdin.write(json.dumps(message) + "\n")
         self._process.stdin.flush()
 
-    def _receive(self, timeout: float) -> dict[str, Any] | None:
-        """The probe's next line, or None (the probe killed) when it died or took longer than ``timeout``."""
+    def _receive(self, timeout: float) -> dict[str, Any]:
+        """The probe's next line; ``{"timed_out": True}`` or ``{"crashed": True}`` (the probe killed, or
+        gone) when it took longer than ``timeout`` or died first."""
         process = self._process
         assert process is not None and process.stdout is not None
         ready, _, _ = select.select([process.stdout], [], [], timeout)
         line = process.stdout.readline() if ready else ""
         if not line:
             self.kill()
-            return None
+            return {"crashed": True} if ready else {"timed_out": True}
         result: dict[str, Any] = json.loads(line)
         return result
 
-    def run(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-        """The probe's answer to ``request`` (see probe.py); ``{"crashed": True}`` when it died, None
-        when it ran out of time."""
+    def run(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """The probe's answer to ``request`` (see probe.py, and ``_receive``)."""
         if self._process is None or self._process.poll() is not None:
             self._start(timeout=60.0)
-        process = self._process
-        assert process is not None
         try:
             self._send(request)
         except (BrokenPipeError, OSError):
             self.kill()
             return {"crashed": True}
-        result = self._receive(timeout)
-        if result is None:
-            return {"crashed": True} if process.returncode is not None and process.returncode < 0 \
-                and process.returncode != -9 else None
-        return result
+        return self._receive(timeout)
 
     def kill(self) -> None:
         process, self._process = self._process, None
@@ -242,7 +235,7 @@ class ConstraintCompiler:
             request = {"kind": "llguidance", "grammar": grammar_text(so, lenient=lenient)}
         timeout = self.limits.compile_timeout
         verdict = self._probe.run(request, timeout)
-        if verdict is None:
+        if verdict.get("timed_out"):
             raise ValueError(f"the {so.kind} constraint took longer than {timeout:g} s to compile: simplify it, or "
                              f"start the server with a larger {flag('compile_timeout')}")
         if verdict.get("crashed"):

@@ -68,10 +68,6 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses (tests and logs)
 
-    @property
-    def limits(self) -> ConstraintLimits:
-        return self.compiler.limits
-
     def warm_up(self) -> Future[Any]:
         """Build the grammar engine's view of the vocabulary, and the probe's, on the compile thread now
         (a server does it as it starts): building them holds the interpreter for a moment, which the

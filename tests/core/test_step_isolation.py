@@ -4,17 +4,15 @@ reset one is recomputed from its first token, and every request still ends as it
 from __future__ import annotations
 
 from pagellm.core import step_isolation
-from pagellm.core.sequence import SequenceStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.core.sequence import Request, SequenceStatus
 from tests.core.fake_model import fake_step, run_to_end
 from tests.core.utils import create_request, create_scheduler
 
 
 def test_held_requests_wait_in_their_state_while_the_others_run_alone():
     sched = create_scheduler(num_cpu_blocks=16)
-    a, b, c = (create_request(6, max_tokens=5) for _ in range(3))
-    for r in (a, b, c):
-        sched.add_request(r)
-    fake_step(sched)  # all three prefilled: running, holding blocks
+    a, b, c = running(sched, 3, max_tokens=5)  # holding blocks
     free_before = sched.kv_cache_manager.num_free_blocks
     step_isolation.hold_all_but(sched, [b])
     assert sched.held and sched.has_unfinished()
@@ -29,12 +27,18 @@ def test_held_requests_wait_in_their_state_while_the_others_run_alone():
     assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
 
 
+def running(sched: Scheduler, count: int, max_tokens: int) -> list[Request]:
+    """``count`` requests of 6 prompt tokens added to ``sched`` and prefilled."""
+    requests = [create_request(6, max_tokens=max_tokens) for _ in range(count)]
+    for r in requests:
+        sched.add_request(r)
+    fake_step(sched)
+    return requests
+
+
 def test_a_reset_request_is_recomputed_and_keeps_its_tokens():
     sched = create_scheduler()
-    a, b = create_request(6, max_tokens=6), create_request(6, max_tokens=6)
-    sched.add_request(a)
-    sched.add_request(b)
-    fake_step(sched)
+    a, _ = running(sched, 2, max_tokens=6)
     fake_step(sched)
     tokens = list(a.seqs[0].output_token_ids)
     step_isolation.reset(sched, a)
@@ -49,10 +53,7 @@ def test_a_reset_request_is_recomputed_and_keeps_its_tokens():
 
 def test_an_aborted_held_request_leaves_no_trace():
     sched = create_scheduler()
-    a, b = create_request(6, max_tokens=5), create_request(6, max_tokens=5)
-    sched.add_request(a)
-    sched.add_request(b)
-    fake_step(sched)
+    a, b = running(sched, 2, max_tokens=5)
     step_isolation.hold_all_but(sched, [b])
     sched.abort_request(a)
     assert not sched.held
