@@ -32,6 +32,7 @@ import httpx
 
 from pagellm.bench import BenchError
 from pagellm.bench.report import append_markdown_row, line_plot, write_json
+from pagellm.bench.servers import free_port, wait_healthy
 from pagellm.bench.throughput import add_common_args, build_workload, prepare
 from pagellm.bench.workloads import Workload
 
@@ -252,8 +253,6 @@ SERVERS: dict[str, tuple[Callable[[str, int, argparse.Namespace], list[str]], bo
 
 def _launch(server: str, model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
     """Start ``server`` on a free port, its output going to ``server-<name>.log`` in the output folder."""
-    from pagellm.entrypoints.openai.launch import free_port, wait_healthy
-
     port = free_port()
     command = SERVERS[server][0](model, port, args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
