@@ -3,13 +3,14 @@ Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_blocks.h`` do
 
 How they multiply (``PAGELLM_QUANT_ACTIVATIONS``): with int8 inputs, each input row is rounded to
 int8 per block of 32 and the products are integer dot products (``quant_linear_int8.c``), as llama.cpp
-and vLLM's GGUF kernels do; with float inputs the weights widen to float32 instead
-(``quant_linear.c``): slower, and the dequantized weight's product to float32 rounding. ``decode``,
-the default, takes int8 inputs in decode-only steps run by the one-call decoder (``native_decode.py``:
-Llama-family models with pools in the model's dtype) and float inputs elsewhere, so that a prompt's
-first token is the dequantized model's; ``int8`` takes int8 inputs in every direct kernel call (up to
-``DIRECT_MAX_ROWS`` rows; larger calls dequantize the weight and multiply float inputs), ``float``
-nowhere. The LM head always takes float inputs.
+and vLLM's GGUF kernels do: the kernel unpacks each weight block once per call whatever the number of
+rows, and gives each row the same result whatever else is in the batch. With float inputs the weights
+widen to float32 instead (``quant_linear.c``): the dequantized weight's product to float32 rounding,
+slower. ``decode``, the default, takes int8 inputs in decode-only steps run by the one-call decoder
+(``native_decode.py``: Llama-family models with pools in the model's dtype) and float inputs
+elsewhere, so that a prompt's first token is the dequantized model's (rounding a small model's prompt
+to int8 changes its answers: SmolLM2-135M no longer names Paris as France's capital); ``int8`` takes
+int8 inputs everywhere, ``float`` nowhere. The LM head always takes float inputs.
 
 Where they come from:
 
@@ -20,9 +21,9 @@ Where they come from:
   (llama.cpp's Q4_0, a scale per 32 weights, by ``gguf``'s quantizer).
 
 A fused projection (q/k/v, gate/up) is a stack of row segments, each in its own type, as the file
-stores its parts (a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K). Decode-sized batches read the
-blocks directly; larger ones (prefill) dequantize the weight once per call and use PyTorch's matmul,
-where the multiply outweighs the unpacking.
+stores its parts (a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K). With float inputs, calls of
+up to ``DIRECT_MAX_ROWS`` rows read the blocks directly; larger ones dequantize the weight once per
+call and use PyTorch's matmul, where the multiply outweighs the unpacking.
 """
 
 from __future__ import annotations
@@ -43,16 +44,18 @@ logger = logging.getLogger(__name__)
 # ggml's type ids of the formats the kernels read.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
-# Input rows up to which the kernels read the blocks directly (integer dot products, float ones); above,
-# one dequantization per call and a BLAS matmul are faster.
-DIRECT_MAX_ROWS = {True: 32, False: 16}
+# Input rows up to which the kernels read the blocks directly, by int8 inputs or not: the integer kernel
+# unpacks each block once for all rows, so it always does; with float inputs, above 16 rows one
+# dequantization per call and a BLAS matmul are faster.
+DIRECT_MAX_ROWS = {True: 2**62, False: 16}
 ACTIVATIONS_ENV = "PAGELLM_QUANT_ACTIVATIONS"
 ACTIVATION_MODES = ("decode", "int8", "float")
+DEFAULT_ACTIVATIONS = "decode"
 
 
 def activation_mode() -> str:
     """Where the quantized layers round their inputs to int8 (``PAGELLM_QUANT_ACTIVATIONS``)."""
-    mode = os.environ.get(ACTIVATIONS_ENV, "decode").strip().lower() or "decode"
+    mode = os.environ.get(ACTIVATIONS_ENV, DEFAULT_ACTIVATIONS).strip().lower() or DEFAULT_ACTIVATIONS
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"{ACTIVATIONS_ENV}={mode!r} is not one of {', '.join(ACTIVATION_MODES)}: decode rounds "
                          "the inputs of quantized linear layers to int8 in decode steps, int8 everywhere, "

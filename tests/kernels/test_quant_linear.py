@@ -81,6 +81,28 @@ def test_int8_products_are_the_weights_times_the_rounded_inputs(name, rows):
     assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
 
 
+@pytest.mark.parametrize("name", list(GGML_TYPES))
+def test_an_int8_products_row_is_the_same_whatever_else_is_in_the_batch(name):
+    # Batch invariance: a row's output, to the bit, does not depend on how many rows the call has, on
+    # which rows they are, on the row's place among them, or on the number of threads.
+    n, k = 203, 768  # (tiles of 8 weight rows and a partial last one; 2 threads at this size)
+    raw = torch.from_numpy(random_blocks(name, n, k, seed=7))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n)
+    whole = quant.quant_linear(x, raw, GGML_TYPES[name], bias, int8_activations=True)
+    for i in (0, 5, 36):
+        alone = quant.quant_linear(x[i:i + 1], raw, GGML_TYPES[name], bias, int8_activations=True)
+        assert torch.equal(alone[0], whole[i])
+    flipped = quant.quant_linear(x.flip(0)[3:], raw, GGML_TYPES[name], bias, int8_activations=True)
+    assert torch.equal(flipped, whole.flip(0)[3:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant.quant_linear(x, raw, GGML_TYPES[name], bias, int8_activations=True), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_int8_products_take_bfloat16_inputs_and_outputs_through_the_decode_step():
     # The model path: bfloat16 activations in, bfloat16 out (decode_layer.c calls the kernel so).
     raw = torch.from_numpy(random_blocks("Q4_1", 16, 64))

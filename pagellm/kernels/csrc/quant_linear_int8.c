@@ -13,30 +13,27 @@
  *     sum over the 8 lanes of (q . xq over the lane's 4 elements) * scale * dx  +  mn * dx * sum(xq)
  *
  * with the integer sums exact: u8 x i8 products (a signed q as |q| against xq with q's sign) summed
- * in pairs into int16 (AVX2's maddubs; at most 2 * 128 * 127 < 2^15, so it never saturates) and in
- * fours into int32 (or all four at once: VNNI's dpbusd), the same sums on every path (AVX2, VNNI and
- * the portable loop). The error against the float product is the activations' rounding (half a step
- * of dx per element), as llama.cpp's.
+ * in pairs into int16 (AVX2's maddubs; never saturating) and in fours into int32 (or all four at once:
+ * VNNI's dpbusd), the same sums on every path (AVX2, VNNI and the portable loop). The error against
+ * the float product is the activations' rounding (half a step of dx per element), as llama.cpp's.
+ *
+ * The weights are read in tiles of 8 rows (tile_product below): a tile's chunks are unpacked and
+ * transposed once per call, so that the 8 int32 lanes of a vector are the tile's 8 outputs, and then
+ * applied to all the input rows, 4 at a time.
  */
 #include "quant_blocks.h"
-
-#define QROWS 4 /* input rows that share one pass over the weights */
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-/* One chunk of 32 weights: the integers (bytes, signed or not by the type: is_signed), the scale of
+/* One chunk of 32 weights: the integers (bytes: int8 for Q8_0, Q4_0, Q5_0 and Q6_K, else uint8), the scale of
  * each int32 lane of the dot product (4 elements a lane) and the chunk's offset. */
 typedef struct {
     u8x32 q;
     f32x8 scale;
     float mn;
 } chunk32;
-
-static inline int is_signed(int type) {
-    return type == GGML_Q8_0 || type == GGML_Q4_0 || type == GGML_Q5_0 || type == GGML_Q6_K;
-}
 
 static inline u8x32 bytes32(const uint8_t *p) {
     u8x32 v;
@@ -135,37 +132,6 @@ static inline __attribute__((always_inline)) chunk32 chunk_of(int type, const ui
     }
 }
 
-/* Lane i: sum over elements 4i .. 4i + 3 of q * xq, q signed or not by the type, exactly. */
-static inline __attribute__((always_inline)) i32x8 dot_chunk(int type, u8x32 q, const int8_t *xq) {
-#if defined(__AVX2__)
-    __m256i w, x;
-    memcpy(&w, &q, sizeof w);
-    memcpy(&x, xq, sizeof x);
-    if (is_signed(type)) { /* the byte products want their first operand unsigned: |w| against x with w's sign */
-        x = _mm256_sign_epi8(x, w);
-        w = _mm256_abs_epi8(w);
-    }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-    i32x8 out;
-    memcpy(&out, &sums, sizeof out);
-    return out;
-#else
-    i32x8 out;
-    for (int i = 0; i < 8; i++) {
-        int32_t s = 0;
-        for (int t = 4 * i; t < 4 * i + 4; t++)
-            s += (is_signed(type) ? (int32_t)(int8_t)q[t] : (int32_t)q[t]) * (int32_t)xq[t];
-        out[i] = s;
-    }
-    return out;
-#endif
-}
-
-
 /* The input rows, quantized: xq [m, k] int8, dx [m, k / 32] and xs [m, k / 32] (dx * sum(xq) per 32). */
 typedef struct {
     int8_t *xq;
@@ -177,7 +143,19 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, float
         const float *xc = x + 32 * c;
         int8_t *qc = xq + 32 * c;
         float amax = 0.0f;
+#if defined(__AVX2__)
+        { /* the largest |x| (a NaN is dropped, as fmaxf would) */
+            const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            __m256 v = _mm256_and_ps(_mm256_loadu_ps(xc), mask);
+            for (int i = 8; i < 32; i += 8) v = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xc + i), mask), v);
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            amax = fmaxf(_mm_cvtss_f32(h), 0.0f);
+        }
+#else
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i]));
+#endif
         /* (a block below 1e-30 counts as zeros: 127 / amax would overflow near the smallest floats) */
         const float inv = amax >= 1e-30f ? 127.0f / amax : 0.0f, d = inv > 0.0f ? amax / 127.0f : 0.0f;
         int32_t sum = 0;
@@ -206,67 +184,262 @@ static void quantize_row(const float *x, int64_t k, int8_t *xq, float *dx, float
     }
 }
 
-/* One chunk of weights against one quantized input row r: into its accumulators. */
-static inline __attribute__((always_inline)) void step(int type, const chunk32 *c, const quantized_rows *x, int64_t k,
-                                                       int r, int64_t at, f32x8 *acc, float *offset) {
-    const float dx = x->dx[r * (k / 32) + at];
-    *acc += __builtin_convertvector(dot_chunk(type, c->q, x->xq + r * k + 32 * at), f32x8) * (c->scale * dx);
-    if (!is_signed(type)) /* (the signed types have no offsets) */
-        *offset += c->mn * x->xs[r * (k / 32) + at];
+/* ---- Tiles: 8 weight rows at a time, transposed so that the 8 int32 lanes of a vector are 8 outputs.
+ *
+ * A tile's chunk is unpacked and transposed once per call and then applied to every input row: the
+ * weight blocks are read and widened once per step whatever the number of rows, and each vector of
+ * byte products adds four elements to all eight outputs, with no horizontal sums. Every output is
+ * computed by one thread, in the same order of operations whatever the number of rows, the other
+ * rows and the number of threads: a row's result does not depend on what else is in the batch. */
+
+#define TILE_COLS 8 /* weight rows (outputs) of a tile: the int32 lanes of a 256-bit vector */
+#define TILE_ROWS 4 /* input rows that share one pass over a tile's chunks (registers: 4 accumulators) */
+
+/* Chunk v of a tile: w[t]'s lane i holds elements 4t .. 4t + 3 of the tile's weight row i; the scale
+ * of each weight row's elements 0-15 and 16-31 (alike except in Q6_K), and its offset. */
+typedef struct {
+    u8x32 w[8];
+    f32x8 scale[2];
+    f32x8 mn;
+} tile_chunk;
+
+/* Byte-pair sums (maddubs) of one input row that add up in int16 before widening to int32, without
+ * overflow: each is at most 2 * |q| * 127 with |q| <= 15 (4-bit), 31 (5-bit), 32 (Q6_K), 127 (Q8_0). */
+static inline int int16_group(int type) {
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q4_K: return 8;
+    case GGML_Q8_0: return 1;
+    default: return 4;
+    }
 }
 
-/* Weight rows j0..j1-1 against 'rows' (<= QROWS, a constant in each copy) quantized input rows. Four
- * (weight row, input row) pairs at a time, each accumulating in its own registers (named, not an
- * array, which GCC kept in memory): one input row against two weight rows, two against two, or
- * three or four against one, so that even a single input row has two independent chains. */
-static inline __attribute__((always_inline)) void dot_rows_int8(
-        int type, int rows, const quantized_rows *x, int64_t k, const uint8_t *w, int64_t row_bytes, int64_t j0,
-        int64_t j1, const float *bias, float *y, int64_t y_stride) {
-    const int elements = block_elements(type), bytes = block_bytes(type), chunks = elements / 32;
-    const int per_pass = rows <= 2 ? 2 : 1; /* weight rows per pass */
-    const int64_t blocks = k / elements;
-    for (int64_t j = j0; j < j1; j += per_pass) {
-        const int second = per_pass == 2 && j + 1 < j1;
-        f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
-        const uint8_t *w0 = w + j * row_bytes, *w1 = second ? w0 + row_bytes : w0;
-        for (int64_t b = 0; b < blocks; b++) {
-            /* the next pass's rows, from memory while this one computes (weights outgrow the caches) */
-            __builtin_prefetch(w1 + row_bytes + b * bytes);
-            if (per_pass == 2) __builtin_prefetch(w1 + 2 * row_bytes + b * bytes);
-            for (int v = 0; v < chunks; v++) {
-                const int64_t at = b * chunks + v; /* the chunk's index in the input row */
-                const chunk32 c0 = chunk_of(type, w0 + b * bytes, v);
-                if (per_pass == 2) {
-                    const chunk32 c1 = chunk_of(type, w1 + b * bytes, v);
-                    step(type, &c0, x, k, 0, at, &a0, &o0);
-                    step(type, &c1, x, k, 0, at, &a1, &o1);
-                    if (rows == 2) {
-                        step(type, &c0, x, k, 1, at, &a2, &o2);
-                        step(type, &c1, x, k, 1, at, &a3, &o3);
+static inline int scale_halves(int type) { return type == GGML_Q6_K; }
+
+/* Signed integers in a tile: Q4_0 and Q5_0 keep theirs unsigned, their 8 and 16 moved to the offset. */
+static inline int tile_signed(int type) { return type == GGML_Q8_0 || type == GGML_Q6_K; }
+
+static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { /* a * b + c, rounded once, on every path */
+#if defined(__FMA__)
+    __m256 r;
+    __m256 va, vb, vc;
+    memcpy(&va, &a, 32), memcpy(&vb, &b, 32), memcpy(&vc, &c, 32);
+    r = _mm256_fmadd_ps(va, vb, vc);
+    f32x8 out;
+    memcpy(&out, &r, 32);
+    return out;
+#else
+    f32x8 out;
+    for (int i = 0; i < 8; i++) out[i] = fmaf(a[i], b[i], c[i]);
+    return out;
+#endif
+}
+
+/* out[t] dword i = in[i] dword t (an 8 x 8 transpose of 4-byte groups). */
+static inline void transpose_dwords(const u8x32 in[8], u8x32 out[8]) {
+#if defined(__AVX2__)
+    __m256i r[8], a[8], b[8];
+    memcpy(r, in, sizeof r);
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]); /* dwords 0, 1 (and 4, 5) of rows i, i + 1 interleaved */
+        a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]); /* dwords 2, 3 (and 6, 7) */
+    }
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);     /* dword 0 (4) of rows i .. i + 3 */
+        b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]); /* dword 1 (5) */
+        b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]); /* dword 2 (6) */
+        b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]); /* dword 3 (7) */
+    }
+    for (int t = 0; t < 4; t++) {
+        r[t] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x20);
+        r[t + 4] = _mm256_permute2x128_si256(b[t], b[t + 4], 0x31);
+    }
+    memcpy(out, r, sizeof r);
+#else
+    for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 8; i++) memcpy((uint8_t *)&out[t] + 4 * i, (const uint8_t *)&in[i] + 4 * t, 4);
+#endif
+}
+
+/* The tile of weight rows w[0 .. cols - 1] (cols <= 8; the missing ones as zeros), all k / 32 chunks. */
+static inline __attribute__((always_inline)) void build_tile(int type, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t cols, int64_t k, tile_chunk *tile) {
+    const int per_block = block_elements(type) / 32, bytes = block_bytes(type);
+    for (int64_t at = 0; at < k / 32; at++) {
+        const int64_t b = at / per_block;
+        const int v = (int)(at % per_block);
+        u8x32 q[TILE_COLS];
+        f32x8 s0 = {0}, s1 = {0}, mn = {0};
+        for (int i = 0; i < TILE_COLS; i++) {
+            if (i >= cols) {
+                q[i] = (u8x32){0};
+                continue;
+            }
+            chunk32 c = chunk_of(type, w + i * row_bytes + b * bytes, v);
+            if (type == GGML_Q4_0 || type == GGML_Q5_0) { /* back to 0..15 (0..31), the 8 (16) as an offset */
+                const int centre = type == GGML_Q4_0 ? 8 : 16;
+                c.q += (uint8_t)centre;
+                c.mn = -(float)centre * c.scale[0];
+            }
+            q[i] = c.q;
+            s0[i] = c.scale[0], s1[i] = c.scale[4], mn[i] = c.mn;
+        }
+        transpose_dwords(q, tile[at].w);
+        tile[at].scale[0] = s0, tile[at].scale[1] = s1, tile[at].mn = mn;
+    }
+}
+
+#if defined(__AVX2__)
+/* build_tile for Q4_0 and Q4_1, whose chunks are whole blocks: each weight row's 16 bytes of nibbles
+ * (rows i and i + 4 in the halves of one vector) transposed as 4-byte groups, then split into the low
+ * nibbles (elements 4t .. 4t + 3) and the high ones (16 + 4t ..); the 8 scales (and minimums) at once. */
+static inline void build_tile_q4(int type, const uint8_t *w, int64_t row_bytes, int64_t cols, int64_t k,
+                                 tile_chunk *tile) {
+    const int bytes = block_bytes(type), qs = type == GGML_Q4_0 ? 2 : 4;
+    const __m256i low = _mm256_set1_epi8(15);
+    /* the halves d (and m) of the 8 headers: bytes 0-1 (2-3) of each 4, to qwords 0 and 2 (1 and 3) */
+    const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    static const uint8_t zeros[24] = {0}; /* the rows past the weight's last */
+    const uint8_t *row[TILE_COLS];
+    int64_t step[TILE_COLS];
+    for (int i = 0; i < TILE_COLS; i++) row[i] = i < cols ? w + i * row_bytes : zeros, step[i] = i < cols ? bytes : 0;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *p[TILE_COLS];
+        for (int i = 0; i < TILE_COLS; i++) p[i] = row[i] + b * step[i];
+        /* the next tile's rows, from memory while this one unpacks (weights outgrow the caches) */
+        if (b % 2 == 0)
+            for (int i = 0; i < TILE_COLS; i++) __builtin_prefetch(p[i] + TILE_COLS * row_bytes);
+        __m256i r[4], t[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_loadu2_m128i((const __m128i *)(p[i + 4] + qs), (const __m128i *)(p[i] + qs));
+        t[0] = _mm256_unpacklo_epi32(r[0], r[1]), t[1] = _mm256_unpackhi_epi32(r[0], r[1]);
+        t[2] = _mm256_unpacklo_epi32(r[2], r[3]), t[3] = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i g[4] = {_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]),
+                              _mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3])};
+        for (int j = 0; j < 4; j++) {
+            const __m256i lo = _mm256_and_si256(g[j], low), hi = _mm256_and_si256(_mm256_srli_epi16(g[j], 4), low);
+            memcpy(&tile[b].w[j], &lo, 32);
+            memcpy(&tile[b].w[j + 4], &hi, 32);
+        }
+        uint32_t head[TILE_COLS];
+        for (int i = 0; i < TILE_COLS; i++) memcpy(&head[i], p[i], 4);
+        __m256i h = _mm256_loadu_si256((const __m256i *)head);
+        h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(h, halves), 0xd8); /* the 8 d, then the 8 m */
+        const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        const __m256 mn = type == GGML_Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                                            : _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        memcpy(&tile[b].scale[0], &d, 32);
+        memcpy(&tile[b].scale[1], &d, 32);
+        memcpy(&tile[b].mn, &mn, 32);
+    }
+}
+#endif
+
+/* The int32 lanes' sums of byte products, u8 weights against i8 inputs, groups of 4 (exact). */
+#if defined(__AVX2__)
+static inline __m256i as_m256i(u8x32 v) {
+    __m256i out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+
+static inline i32x8 as_i32x8(__m256i v) {
+    i32x8 out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+#endif
+
+/* Input rows r0 .. r0 + rows - 1 (rows <= TILE_ROWS, a constant in each copy) against a tile: out[r]
+ * lane i = row r's product with the tile's weight row i. Each row's operations are the same in every
+ * copy, and in the same order. */
+static inline __attribute__((always_inline)) void tile_rows(int type, int rows, const tile_chunk *tile, int64_t k,
+                                                            const int8_t *xq, const float *dx, const float *xs,
+                                                            f32x8 out[TILE_ROWS]) {
+    const int group = int16_group(type), halves = scale_halves(type), sign = tile_signed(type);
+    const int64_t chunks = k / 32;
+    f32x8 acc[TILE_ROWS] = {{0}};
+    for (int64_t at = 0; at < chunks; at++) {
+        const tile_chunk *c = &tile[at];
+        i32x8 lo[TILE_ROWS] = {{0}}, hi[TILE_ROWS] = {{0}};
+        for (int g = 0; g < 8; g += group) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+            __m256i s[TILE_ROWS];
+            for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+#endif
+            for (int t = g; t < g + group; t++) {
+                const u8x32 wt = c->w[t];
+                for (int r = 0; r < rows; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq + r * k + 32 * at + 4 * t, 4);
+#if defined(__AVX2__)
+                    __m256i w = as_m256i(wt), x = _mm256_set1_epi32(x4);
+                    if (sign) { /* the byte products want their first operand unsigned: |w| against x with w's sign */
+                        x = _mm256_sign_epi8(x, w);
+                        w = _mm256_abs_epi8(w);
                     }
-                } else {
-                    step(type, &c0, x, k, 0, at, &a0, &o0);
-                    step(type, &c0, x, k, 1, at, &a1, &o1);
-                    step(type, &c0, x, k, 2, at, &a2, &o2);
-                    if (rows == 4) step(type, &c0, x, k, 3, at, &a3, &o3);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    if (halves && t >= 4) hi[r] = as_i32x8(_mm256_dpbusd_epi32(as_m256i((u8x32)hi[r]), w, x));
+                    else lo[r] = as_i32x8(_mm256_dpbusd_epi32(as_m256i((u8x32)lo[r]), w, x));
+#elif defined(__AVXVNNI__)
+                    if (halves && t >= 4) hi[r] = as_i32x8(_mm256_dpbusd_avx_epi32(as_m256i((u8x32)hi[r]), w, x));
+                    else lo[r] = as_i32x8(_mm256_dpbusd_avx_epi32(as_m256i((u8x32)lo[r]), w, x));
+#else
+                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w, x));
+#endif
+#else
+                    for (int i = 0; i < 8; i++) {
+                        int32_t sum = 0;
+                        for (int e = 0; e < 4; e++) {
+                            const int q = sign ? (int8_t)wt[4 * i + e] : wt[4 * i + e];
+                            sum += q * (int32_t)(int8_t)(x4 >> (8 * e));
+                        }
+                        if (halves && t >= 4) hi[r][i] += sum;
+                        else lo[r][i] += sum;
+                    }
+#endif
                 }
             }
-        }
-        const float b0 = bias != NULL ? bias[j] : 0.0f, b1 = bias != NULL && second ? bias[j + 1] : 0.0f;
-        if (per_pass == 2) {
-            y[j] = hsum8(a0) + o0 + b0;
-            if (second) y[j + 1] = hsum8(a1) + o1 + b1;
-            if (rows == 2) {
-                y[y_stride + j] = hsum8(a2) + o2 + b0;
-                if (second) y[y_stride + j + 1] = hsum8(a3) + o3 + b1;
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+            for (int r = 0; r < rows; r++) {
+                const i32x8 wide = as_i32x8(_mm256_madd_epi16(s[r], _mm256_set1_epi16(1)));
+                if (halves && g >= 4) hi[r] += wide;
+                else lo[r] += wide;
             }
-        } else {
-            y[j] = hsum8(a0) + o0 + b0;
-            y[y_stride + j] = hsum8(a1) + o1 + b0;
-            y[2 * y_stride + j] = hsum8(a2) + o2 + b0;
-            if (rows == 4) y[3 * y_stride + j] = hsum8(a3) + o3 + b0;
+#endif
         }
+        for (int r = 0; r < rows; r++) {
+            const float d = dx[r * chunks + at];
+            acc[r] = fma8(__builtin_convertvector(lo[r], f32x8), c->scale[0] * splat(d), acc[r]);
+            if (halves) acc[r] = fma8(__builtin_convertvector(hi[r], f32x8), c->scale[1] * splat(d), acc[r]);
+            if (!sign) acc[r] = fma8(c->mn, splat(xs[r * chunks + at]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = acc[r];
+}
+
+/* One tile (weight rows j0 .. j0 + cols - 1) against all m input rows, TILE_ROWS at a time. */
+static inline __attribute__((always_inline)) void tile_product(int type, const uint8_t *w, int64_t row_bytes,
+                                                               int64_t j0, int64_t cols, int64_t k, int64_t m,
+                                                               const quantized_rows *x, tile_chunk *tile,
+                                                               const float *bias, float *y, int64_t y_step) {
+    const int64_t chunks = k / 32;
+#if defined(__AVX2__)
+    if (type == GGML_Q4_0 || type == GGML_Q4_1) build_tile_q4(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
+    else
+#endif
+        build_tile(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+        const int rows = m - r0 < TILE_ROWS ? (int)(m - r0) : TILE_ROWS;
+        const int8_t *xq = x->xq + r0 * k;
+        const float *dx = x->dx + r0 * chunks, *xs = x->xs + r0 * chunks;
+        f32x8 out[TILE_ROWS];
+        if (rows == 4) tile_rows(type, 4, tile, k, xq, dx, xs, out);
+        else if (rows == 3) tile_rows(type, 3, tile, k, xq, dx, xs, out);
+        else if (rows == 2) tile_rows(type, 2, tile, k, xq, dx, xs, out);
+        else tile_rows(type, 1, tile, k, xq, dx, xs, out);
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < cols; i++) y[(r0 + r) * y_step + j0 + i] = out[r][i] + (bias != NULL ? bias[j0 + i] : 0.0f);
     }
 }
 
@@ -276,40 +449,39 @@ int pagellm_quant_linear_int8(const void *x_in, int64_t x_stride, int x_dtype, i
                               int64_t y_stride, int y_dtype, int num_threads) {
     const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
     if (row_bytes == 0) return -1;
-    /* one allocation: the float32 input row being quantized, xq, dx, xs, and a float32 output if staged */
+    const int threads = num_threads < 1 ? 1 : num_threads;
+    const int64_t chunks = k / 32, tiles = (n + TILE_COLS - 1) / TILE_COLS;
+    /* one allocation: a tile per thread (32-byte aligned, first), the float32 input row being quantized,
+     * xq, dx, xs, and a float32 output if staged */
     const int staged = y_dtype != PAGELLM_F32;
-    char *work = malloc((size_t)(k * 4 + m * k + (m * (k / 32) * 2) * 4 + (staged ? m * n * 4 : 0) + 64));
+    const size_t tile_bytes = (size_t)chunks * sizeof(tile_chunk);
+    char *work = malloc(threads * tile_bytes + (size_t)(k * 4 + m * k + (m * chunks * 2) * 4 + (staged ? m * n * 4 : 0))
+                        + 128);
     if (work == NULL) return -2;
-    float *row = (float *)work;
-    quantized_rows x = {(int8_t *)(work + k * 4), NULL, NULL};
-    x.dx = (float *)(work + k * 4 + ((m * k + 3) / 4) * 4);
-    x.xs = x.dx + m * (k / 32);
+    tile_chunk *tiles_at = (tile_chunk *)(((uintptr_t)work + 31) & ~(uintptr_t)31);
+    float *row = (float *)((char *)tiles_at + threads * tile_bytes);
+    quantized_rows x = {(int8_t *)(row + k), NULL, NULL};
+    x.dx = (float *)((char *)x.xq + ((m * k + 3) / 4) * 4);
+    x.xs = x.dx + m * chunks;
     for (int64_t r = 0; r < m; r++) {
         load_floats(x_in, r * x_stride, k, x_dtype, row);
-        quantize_row(row, k, x.xq + r * k, x.dx + r * (k / 32), x.xs + r * (k / 32));
+        quantize_row(row, k, x.xq + r * k, x.dx + r * chunks, x.xs + r * chunks);
     }
-    float *y = staged ? x.xs + m * (k / 32) : (float *)y_out;
+    float *y = staged ? x.xs + m * chunks : (float *)y_out;
     const int64_t y_step = staged ? n : y_stride;
-    const int64_t chunk = 8, chunks = (n + chunk - 1) / chunk, tiles = (m + QROWS - 1) / QROWS;
-#pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t r0 = t * QROWS, rows = m - r0 < QROWS ? m - r0 : QROWS;
-            const int64_t j0 = c * chunk, j1 = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-            const quantized_rows xt = {x.xq + r0 * k, x.dx + r0 * (k / 32), x.xs + r0 * (k / 32)};
-            float *yt = y + r0 * y_step;
-#define INT8_ROWS(TYPE) \
-    case TYPE: \
-        if (rows == 4) dot_rows_int8(TYPE, 4, &xt, k, w, row_bytes, j0, j1, bias, yt, y_step); \
-        else if (rows == 3) dot_rows_int8(TYPE, 3, &xt, k, w, row_bytes, j0, j1, bias, yt, y_step); \
-        else if (rows == 2) dot_rows_int8(TYPE, 2, &xt, k, w, row_bytes, j0, j1, bias, yt, y_step); \
-        else dot_rows_int8(TYPE, 1, &xt, k, w, row_bytes, j0, j1, bias, yt, y_step); \
-        break;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_chunk *tile = (tile_chunk *)((char *)tiles_at + omp_get_thread_num() * tile_bytes);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t j0 = t * TILE_COLS, cols = n - j0 < TILE_COLS ? n - j0 : TILE_COLS;
+#define TILE_CASE(TYPE) \
+    case TYPE: tile_product(TYPE, w, row_bytes, j0, cols, k, m, &x, tile, bias, y, y_step); break;
             switch (type) {
-                INT8_ROWS(GGML_Q4_0) INT8_ROWS(GGML_Q4_1) INT8_ROWS(GGML_Q5_0) INT8_ROWS(GGML_Q5_1)
-                INT8_ROWS(GGML_Q8_0) INT8_ROWS(GGML_Q4_K) INT8_ROWS(GGML_Q5_K) INT8_ROWS(GGML_Q6_K)
+                TILE_CASE(GGML_Q4_0) TILE_CASE(GGML_Q4_1) TILE_CASE(GGML_Q5_0) TILE_CASE(GGML_Q5_1)
+                TILE_CASE(GGML_Q8_0) TILE_CASE(GGML_Q4_K) TILE_CASE(GGML_Q5_K) TILE_CASE(GGML_Q6_K)
             }
-#undef INT8_ROWS
+#undef TILE_CASE
         }
     }
     if (staged)
