@@ -19,6 +19,9 @@ class SampleResult:
 @dataclass
 class ModelRunnerOutput:
     samples: dict[int, SampleResult] = field(default_factory=dict)
+    # Speculative decoding: seq_id -> the tokens kept after ``samples``' one, in order (the accepted
+    # drafts but the first, and the token sampled where the first was rejected or after the last).
+    extra_samples: dict[int, list[SampleResult]] = field(default_factory=dict)
     # seq_id -> logprobs of the prompt tokens at the positions asked for in this step
     # (``ScheduledSeq.prompt_logprobs_range``); read by the engine's output processor only.
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -28,6 +28,9 @@ class ScheduledSeq:
     # Models with several KV cache groups (Gemma: sliding and full-attention layers): the block tables
     # of groups 1, 2, ... (``block_table`` is group 0's); empty with one group.
     group_block_tables: tuple[list[int], ...] = ()
+    # Speculative decoding: draft tokens computed after the sequence's last token in this step
+    # (positions start + 1, ...); num_new_tokens counts them. The worker keeps those its sampling agrees with.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

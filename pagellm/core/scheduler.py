@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy
-from pagellm.core.runner_output import ModelRunnerOutput
+from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
 from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
+from pagellm.core.speculation import SpeculationState, SpeculativeConfig, propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ class SchedulerConfig:
     # A sequence that grows past this length is computed again from its first token (the long factors
     # of a longrope model, as transformers' generate does); None: never.
     recompute_past_length: int | None = None
+    # Speculative decoding (n-gram drafts); None: off.
+    speculative: SpeculativeConfig | None = None
+
+# Running sequences above which no draft is proposed when ``disable_by_batch_size`` is unset: a decode
+# step that wide is bound by the multiplies, where verifying drafts costs what they save.
+SPECULATION_BATCH_LIMIT = 8
 
 
 @dataclass
@@ -72,6 +79,10 @@ class SchedulerStats:
     # requests whose prefill completed (counted at their first token, once per request).
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
+    # Speculative decoding: sequence-steps that carried drafts, drafts proposed, drafts accepted.
+    num_spec_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def sla_attainment(self) -> float | None:
@@ -108,6 +119,7 @@ class Scheduler:
         self.held: list[Sequence] = []
         self.stats = SchedulerStats()
         self._finished_seq_ids: list[int] = []
+        self._speculation: dict[int, SpeculationState] = {}
 
     # ----------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
@@ -154,7 +166,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget, chunk_cap)
-            while not self.kv_cache_manager.allocate_slots(seq, num_new):
+            drafts = self._drafts(seq, budget) if num_new == 1 else []
+            if drafts and not self.kv_cache_manager.allocate_slots(seq, 1 + len(drafts)):
+                drafts = []  # no block to spare for them: a plain decode
+            elif drafts:
+                num_new = 1 + len(drafts)
+            while not drafts and not self.kv_cache_manager.allocate_slots(seq, num_new):
                 # The least urgent running sequence (seq itself included) makes room, even one already
                 # scheduled this step: its entry is withdrawn and its budget returned (as in vLLM).
                 victim = max(self.running, key=self.policy.key)
@@ -169,7 +186,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # it preempted itself; running[i] is now the next one
-            out.scheduled.append(self._scheduled(seq, num_new))
+            out.scheduled.append(self._scheduled(seq, num_new, drafts))
             budget -= num_new
             i += 1
 
@@ -291,9 +308,28 @@ class Scheduler:
         return not (request.wants_prompt_logprobs
                     and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1))
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""
+        spec = self.config.speculative
+        if spec is None or not _may_speculate(seq):
+            return []
+        limit = spec.disable_by_batch_size or SPECULATION_BATCH_LIMIT
+        state = self._speculation.setdefault(seq.seq_id, SpeculationState())
+        if len(self.running) > limit or state.paused_until > self.stats.num_steps:
+            return []
+        params = seq.params
+        room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens - 1)
+        if params.max_tokens is not None:  # (the step keeps at most drafts + 1 tokens)
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(seq.prompt_token_ids + seq.output_token_ids, room, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        drafts = drafts or []
         start = seq.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)
         lp_range = None
         request = seq.request
         # Prompt logprobs come from the first sequence, once: a recompute skips them.
@@ -316,6 +352,7 @@ class Scheduler:
             prompt_logprobs_range=lp_range,
             fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
             group_block_tables=tuple(g.block_table(seq) for g in kv.extra_groups) if kv.extra_groups else (),
+            draft_token_ids=drafts,
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -358,7 +395,8 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
+            drafts = len(item.draft_token_ids)
+            seq.num_computed_tokens += item.num_new_tokens - drafts  # (accepted drafts: below)
             self.kv_cache_manager.cache_full_blocks(seq)
             self.kv_cache_manager.free_out_of_window(seq)
             if item.prompt_logprobs_range is not None:  # the runner scored them; the engine keeps them
@@ -369,21 +407,42 @@ class Scheduler:
                 self._fork(seq, child)
             for s in (seq, *item.fork_children):
                 sample = result.samples[s.seq_id]
-                s.output_token_ids.append(sample.token_id)
-                self.stats.num_generated_tokens += 1
-                if sample.logprob is not None:
-                    s.cumulative_logprob += sample.logprob
-                if sample.top_logprobs is not None:
-                    s.output_logprobs.append(sample.top_logprobs)
+                self._append(s, sample)
                 times = s.request.metrics
                 if times.first_token_time is None:
                     now = now or self.clock()
                     times.first_token_time = now
                     self.stats.num_prompt_tokens += len(s.request.prompt_token_ids)
-                self._check_stop(s, sample.token_id)
                 touched.append(s)
+                if drafts:
+                    self._append_accepted(s, drafts, result.extra_samples.get(s.seq_id, []))
                 self._recompute_if_past_switch(s)
         return touched
+
+    def _append(self, seq: Sequence, sample: SampleResult) -> None:
+        seq.output_token_ids.append(sample.token_id)
+        self.stats.num_generated_tokens += 1
+        if sample.logprob is not None:
+            seq.cumulative_logprob += sample.logprob
+        if sample.top_logprobs is not None:
+            seq.output_logprobs.append(sample.top_logprobs)
+        self._check_stop(seq, sample.token_id)
+
+    def _append_accepted(self, seq: Sequence, drafts: int, extra: list[SampleResult]) -> None:
+        """The tokens a speculative step kept after its first: each accepted draft's K/V is computed."""
+        accepted = len(extra)  # (the first token kept was a draft where more followed it)
+        for sample in extra:
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # stopped inside the step: the rest is dropped
+            self._append(seq, sample)
+        seq.num_computed_tokens += accepted
+        self.kv_cache_manager.cache_full_blocks(seq)
+        self.stats.num_spec_drafts += 1
+        self.stats.num_draft_tokens += drafts
+        self.stats.num_accepted_tokens += accepted
+        state = self._speculation.get(seq.seq_id)
+        if state is not None:
+            state.record(drafts, accepted, self.stats.num_steps)
 
     def _recompute_if_past_switch(self, seq: Sequence) -> None:
         """Send ``seq`` back to be computed from its first token when this token took it past
@@ -445,6 +504,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.kv_cache_manager.free(seq)
+        self._speculation.pop(seq.seq_id, None)
         self._finished_seq_ids.append(seq.seq_id)
         request = seq.request
         if request.is_finished and request.metrics.finished_time is None:
@@ -470,3 +530,11 @@ class Scheduler:
     def abort_request(self, request: Request) -> None:
         for seq in request.seqs:
             self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Whether ``seq``'s sampling lets drafts be checked row by row: nothing that depends on the tokens
+    before each row (penalties, min_tokens' bans, a grammar) and no logit bias."""
+    p = seq.params
+    return (p.structured_outputs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)

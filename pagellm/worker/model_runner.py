@@ -44,6 +44,13 @@ class SamplingMetadata:
     lp_targets: list[int] = field(default_factory=list)  # [num_scored] the prompt token each scores
     # Each scoring sequence's share of lp_rows, in order: (its scheduled chunk, number of rows).
     lp_owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
+    # Speculative decoding: (sequence, flat rows of its last token and drafts, the drafts), read after
+    # the rows above.
+    spec: list[tuple[Sequence, list[int], list[int]]] = field(default_factory=list)
+
+    @property
+    def spec_rows(self) -> list[int]:
+        return [row for _, rows, _ in self.spec for row in rows]
 
 
 @dataclass
@@ -78,7 +85,11 @@ class ModelRunner:
         sliding_window: int | None = None,
         structured_output: StructuredOutputManager | None = None,
         calculate_kv_scales: bool | None = None,
+        speculative: bool = False,
     ) -> None:
+        """``speculative``: steps may carry draft tokens (``ScheduledSeq.draft_token_ids``); decodes then
+        never share the reading of common leading blocks (cascade), so that a row's result is the same
+        whether it is verified with drafts or decoded alone."""
         self.model = model
         self.structured_output = structured_output  # None: no request may be constrained
         self.cache_engine = cache_engine
@@ -100,6 +111,7 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(AttentionConfig(
             device, v_cache.dtype, model.config.num_attention_heads, num_kv_heads, head_dim, self.block_size,
             sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
+        self.cascade = self.attn_backend.cascade and not speculative
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
         if v_cache.element_size() == 1:  # --kv-cache-dtype fp8: each layer scales what it stores
@@ -145,17 +157,18 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         """The step's scheduled tokens as one flat batch, with what attention and sampling read."""
         items = self.batch_order(scheduled)
-        num_decodes = sum(1 for it in items if it.num_new_tokens == 1)  # (first: see batch_order)
+        decodes = [it for it in items if is_decode(it)]  # (first: see batch_order)
+        num_decodes = sum(it.num_new_tokens for it in decodes)  # rows: one per token, drafts included
         input_ids, positions, slots = self.prepare_tokens(items)
         slot_mapping = long_tensor(slots, self.device)
         attn = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
                                  slot_offsets=slot_mapping % self.block_size, sliding_window=self.sliding_window)
         if num_decodes:
-            attn.decode = self.prepare_decode(items[:num_decodes])
-            attn.decode_seq_lens = [it.seq.num_tokens for it in items[:num_decodes]]
-        attn.prefills = self.prepare_prefill(items[num_decodes:], num_decodes)
-        if self.num_groups > 1:
-            attn.group_metas = [attn, *(self.prepare_group(items, num_decodes, positions, attn, g)
+            attn.decode = self.prepare_decode(decodes)
+            attn.decode_seq_lens = [it.start + 1 + i for it in decodes for i in range(it.num_new_tokens)]
+        attn.prefills = self.prepare_prefill(items[len(decodes):], num_decodes)
+        if self.num_groups > 1:  # (no drafts with several groups: one row per decode)
+            attn.group_metas = [attn, *(self.prepare_group(items, len(decodes), positions, attn, g)
                                         for g in range(1, self.num_groups))]
         sampling = self.prepare_sample(items)
         logits_rows = self.prepare_logits_rows(attn, len(input_ids), sampling)
@@ -166,9 +179,9 @@ class ModelRunner:
         """Decodes first. Where the backend reads shared leading blocks once (cascade), those sharing
         their first block next to each other; else longest context first: decodes of similar length
         are contiguous runs."""
-        if self.attn_backend.cascade:
-            return sorted(scheduled, key=lambda it: (it.num_new_tokens != 1, it.block_table[:1], -it.start))
-        return sorted(scheduled, key=lambda it: (it.num_new_tokens != 1, -it.start))
+        if self.cascade:
+            return sorted(scheduled, key=lambda it: (not is_decode(it), it.block_table[:1], -it.start))
+        return sorted(scheduled, key=lambda it: (not is_decode(it), -it.start))
 
     def prepare_tokens(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
         """Every new token of the step, in batch order: its id, position and slot."""
@@ -178,18 +191,22 @@ class ModelRunner:
         slots: list[int] = []
         for it in items:
             start, n, table = it.start, it.num_new_tokens, it.block_table
-            input_ids.extend(it.seq.token_slice(start, start + n))
+            drafts = it.draft_token_ids
+            input_ids.extend(it.seq.token_slice(start, start + n - len(drafts)))
+            input_ids.extend(drafts)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         return input_ids, positions, slots
 
     def prepare_decode(self, decodes: list[ScheduledSeq]) -> DecodeMetadata:
-        """The decodes (rows ``[0, len(decodes))``) as the backend attends them, runs of them sharing
-        their first blocks found where it reads those once."""
-        tables = [it.block_table for it in decodes]
-        runs = cascade_runs(tables) if self.attn_backend.cascade else []
-        return self.attn_backend.prepare_decode(tables, [it.start + 1 for it in decodes], runs)
+        """The decodes (the first rows, one per token: a sequence's drafts are decodes at the positions
+        after its last token, attending to the K/V written before them in the step) as the backend
+        attends them, runs of them sharing their first blocks found where it reads those once."""
+        tables = [it.block_table for it in decodes for _ in range(it.num_new_tokens)]
+        lens = [it.start + 1 + i for it in decodes for i in range(it.num_new_tokens)]
+        runs = cascade_runs(tables) if self.cascade else []
+        return self.attn_backend.prepare_decode(tables, lens, runs)
 
     def prepare_prefill(self, prefills: list[ScheduledSeq], first_row: int) -> list[PrefillSpan]:
         """Each prefill (chunk) as its run of rows from ``first_row`` on, with its context and blocks."""
@@ -241,7 +258,9 @@ class ModelRunner:
         q_start = 0
         for it in items:
             seq, start, n = it.seq, it.start, it.num_new_tokens
-            if it.sample:
+            if it.draft_token_ids:
+                sampling.spec.append((seq, list(range(q_start, q_start + n)), it.draft_token_ids))
+            elif it.sample:
                 # Forked children sample their own first token from the parent's logits.
                 for s in (seq, *it.fork_children):
                     sampling.rows.append(q_start + n - 1)
@@ -258,7 +277,7 @@ class ModelRunner:
                             sampling: SamplingMetadata) -> torch.Tensor | None:
         """The LM head runs only on the rows that are sampled or scored, and the last layer (but for its
         K/V) on the rows those need (``attn.output_rows``, set here)."""
-        rows = sampling.rows + sampling.lp_rows
+        rows = sampling.rows + sampling.lp_rows + sampling.spec_rows
         num_out = num_tokens
         if attn.prefills:
             attn.output_rows = choose_output_rows(attn, num_tokens, attn.num_decodes, rows)
@@ -282,8 +301,15 @@ class ModelRunner:
         if num:
             for s, res in zip(sampling.seqs, self.sampler(logits[:num], sampling.seqs, grammar)):
                 result.samples[s.seq_id] = res
-        if sampling.lp_rows:
-            result.prompt_logprobs = self.prompt_logprobs(sampling, logits[num:])
+        num_scored = len(sampling.lp_rows)
+        if num_scored:
+            result.prompt_logprobs = self.prompt_logprobs(sampling, logits[num : num + num_scored])
+        at = num + num_scored
+        for seq, rows, drafts in sampling.spec:
+            kept = self.sampler.verify(logits[at : at + len(rows)], seq, drafts)
+            result.samples[seq.seq_id] = kept[0]
+            result.extra_samples[seq.seq_id] = kept[1:]
+            at += len(rows)
         return result
 
     def prompt_logprobs(self, sampling: SamplingMetadata, logits: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
@@ -301,3 +327,8 @@ class ModelRunner:
                                   for e, tgt in zip(chunk, targets)]
             offset += count
         return out
+
+
+def is_decode(it: ScheduledSeq) -> bool:
+    """Whether ``it`` is a decode: its sequence's last token, with its drafts where it speculates."""
+    return it.num_new_tokens == 1 or bool(it.draft_token_ids)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import cast
 
 import torch
 
@@ -81,12 +80,51 @@ class Sampler:
                 top = logits.argmax(dim=-1)
             chosen = top if chosen is None else torch.where(torch.tensor(greedy, device=logits.device), top, chosen)
         assert chosen is not None  # seqs is never empty: every row is greedy or sampled
+        return self._results(raw, chosen, params, fast)
+
+    def verify(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> list[SampleResult]:
+        """Speculative decoding: ``logits`` (len(drafts) + 1, vocab) are the rows of ``seq``'s last token
+        and of its drafts; returns the tokens kept, each with its row's logprobs: the drafts while they
+        are what sampling would give, then one token more. Greedy rows keep a draft equal to their
+        argmax (the tokens are those of decoding one at a time); sampled rows accept draft d with
+        probability p(d) and else sample from p without d (rejection sampling against a draft that is
+        certain of its token), which leaves every kept token distributed as p."""
+        rows = [seq] * logits.shape[0]
+        if seq.params.is_greedy:
+            results = self(logits, rows)
+            kept = 1
+            while kept <= len(drafts) and drafts[kept - 1] == results[kept - 1].token_id:
+                kept += 1
+            return results[:kept]
+        probs = self._probs(logits, rows)
+        gen = self.generator if seq.seed is None else self._generator_for(seq)
+        tokens: list[int] = []
+        for i, draft in enumerate(drafts):
+            u = torch.rand(1, dtype=torch.float64, device=logits.device, generator=gen).item()
+            if u < probs[i, draft].item():
+                tokens.append(draft)
+                continue
+            residual = probs[i : i + 1].clone()
+            residual[0, draft] = 0.0
+            tokens.append(int(self._draw(residual, [seq])[0]))
+            break
+        else:
+            tokens.append(int(self._draw(probs[-1:], [seq])[0]))
+        kept_rows = logits[: len(tokens)]
+        fast = native.argmax_logsumexp(kept_rows, with_lse=True) if seq.params.scores_samples else None
+        return self._results(kept_rows, torch.tensor(tokens, device=logits.device), [seq.params] * len(tokens), fast)
+
+    def _results(self, raw: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams],
+                 fast: tuple[torch.Tensor, torch.Tensor | None] | None) -> list[SampleResult]:
+        """Each row's chosen token with the logprobs its request asks for (of the unprocessed logits
+        ``raw``; ``fast``: their native argmax and logsumexp, computed where some row is scored)."""
+        scored = [p.scores_samples for p in params]
         tokens = chosen.tolist()
         if not any(scored):
             return [SampleResult(t, None) for t in tokens]
         # The chosen tokens' logprobs, of the unprocessed distribution.
-        if fast is not None:
-            lse = cast(torch.Tensor, fast[1])  # computed: with_lse=any(scored), True here
+        lse = None if fast is None else fast[1]
+        if lse is not None:
             chosen_lp = (raw.gather(1, chosen.unsqueeze(1)).squeeze(1) - lse).tolist()
         else:
             # log_softmax + gather: faster on CPU than torch.logsumexp, which makes several passes.
@@ -97,8 +135,8 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             num = max(params[i].logprobs or 0 for i in want)
-            rows = torch.tensor(want, device=logits.device)
-            wanted = raw[rows] - lse[rows].unsqueeze(1) if fast is not None else raw_logprobs[rows]
+            rows = torch.tensor(want, device=raw.device)
+            wanted = raw[rows] - lse[rows].unsqueeze(1) if lse is not None else raw_logprobs[rows]
             tops = top_logprobs(wanted, num, chosen[rows])
             for i, entry in zip(want, tops):
                 n_i = params[i].logprobs or 0
@@ -148,6 +186,10 @@ class Sampler:
             row -= p.presence_penalty * (counts > 0).float()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        return self._draw(self._probs(logits, seqs), seqs)
+
+    def _probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, min_p, top_k and top_p applied."""
         dev = logits.device
         params = [s.params for s in seqs]
         temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev).unsqueeze(1)
@@ -161,11 +203,16 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(-1)
-        # Inverse CDF: one uniform draw per row, the first token whose cumulative probability exceeds
-        # it. (The exponential race, argmax(p / q) with q ~ Exp(1), needs a draw per vocabulary entry,
-        # which costs as much as the rest of a decode step.) Seeded sequences draw from their own
-        # generator, so their tokens never depend on batch companions.
+        return logits.softmax(-1)
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row of ``probs`` (weights; rows need not sum to 1).
+
+        Inverse CDF: one uniform draw per row, the first token whose cumulative probability exceeds
+        it. (The exponential race, argmax(p / q) with q ~ Exp(1), needs a draw per vocabulary entry,
+        which costs as much as the rest of a decode step.) Seeded sequences draw from their own
+        generator, so their tokens never depend on batch companions."""
+        dev = probs.device
         u = torch.empty(len(seqs), dtype=torch.float64, device=dev)
         unseeded = [i for i, s in enumerate(seqs) if s.seed is None]
         if unseeded:
