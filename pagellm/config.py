@@ -7,10 +7,10 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pagellm.structured_output.limits import ConstraintLimits
+from pagellm.sampling_params import SEED_RANGE
+from pagellm.vllm_args import check_vllm_engine_fields
 
 _UNITS = {
     "": 1, "b": 1,
@@ -65,10 +65,41 @@ DEFAULT_MAX_RULES = 5000
 DEFAULT_COMPILE_TIMEOUT = 10.0
 DEFAULT_MAX_MASK_MS = 20.0
 
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """The --structured-outputs-* bounds on a request's output constraint (structured_output/limits.py
+    checks constraints against them). ``max_bytes``: the constraint's text (schema, grammar, regex,
+    choices) at most this long; ``max_depth``: a JSON schema nested at most this deep, as written;
+    ``compile_timeout``: the time one constraint may take to compile before the request is refused;
+    ``max_mask_ms``: the CPU time one token's mask may cost (it is spent inside every step the request is in)."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_rules: int = DEFAULT_MAX_RULES
+    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
+    max_mask_ms: float = DEFAULT_MAX_MASK_MS
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_depth", "max_rules"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{constraint_flag(name)} must be a positive integer, got {v!r}")
+        for name in ("compile_timeout", "max_mask_ms"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                raise ValueError(f"{constraint_flag(name)} must be a positive number, got {v!r}")
+
+
+def constraint_flag(name: str) -> str:
+    """The server flag of a ConstraintLimits field."""
+    return "--structured-outputs-" + name.replace("_", "-")
+
+
 # vLLM's --dtype names; "half" and "float" are its aliases of float16 and float32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
-# The seeds torch.Generator.manual_seed accepts.
-SEED_RANGE = (-(2**63), 2**64 - 1)
+# --load-format: the folder's weights (auto, safetensors) or random ones from config.json (dummy).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def check_slo(name: str, value: Any) -> None:
@@ -122,7 +153,7 @@ class EngineArgs:
         "number of KV blocks; overrides --kv-cache-memory"))
     load_format: str = field(default="auto", metadata=_flag(
         "auto/safetensors: the folder's weights; dummy: random weights from config.json alone",
-        choices=("auto", "safetensors", "dummy")))
+        choices=LOAD_FORMATS))
     enable_chunked_prefill: bool = field(default=True, metadata=_flag(
         "split long prompts over several steps so running requests keep decoding"))
     prefill_chunk_size: int | None = field(default=None, metadata=_flag(
@@ -290,8 +321,6 @@ class EngineArgs:
                 raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
         self._check_vllm_arguments()
         _ = self.constraint_limits  # ValueError naming a --structured-outputs-* flag out of range
-        from pagellm.model.loader import LOAD_FORMATS
-
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
@@ -327,8 +356,6 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size (--pipeline-parallel-size) must be 1, got {v!r}: pagellm "
                              "splits a model by tensor parallelism only (--tensor-parallel-size)")
         self._check_distributed_arguments()
-        from pagellm.vllm_args import check_vllm_engine_fields
-
         check_vllm_engine_fields(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of {', '.join(KV_CACHE_DTYPES)}, got "
@@ -382,8 +409,6 @@ class EngineArgs:
     @property
     def constraint_limits(self) -> ConstraintLimits:
         """The --structured-outputs-* bounds (ValueError naming a flag whose value is not valid)."""
-        from pagellm.structured_output.limits import ConstraintLimits
-
         return ConstraintLimits(self.structured_outputs_max_bytes, self.structured_outputs_max_depth,
                                 self.structured_outputs_max_rules, self.structured_outputs_compile_timeout,
                                 self.structured_outputs_max_mask_ms)

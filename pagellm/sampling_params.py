@@ -7,7 +7,19 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.config import SEED_RANGE
+# The seeds torch.Generator.manual_seed accepts (a request's seed, and the engine's --seed).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+# generation_config.json key -> SamplingParams field: the sampling defaults a checkpoint may ship
+# (model/generation_config.py) and the keys --override-generation-config takes (vllm_args.py).
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 class RequestOutputKind(enum.Enum):

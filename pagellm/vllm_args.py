@@ -12,6 +12,8 @@ import json
 import logging
 from typing import Any
 
+from pagellm.sampling_params import SAMPLING_KEYS
+
 logger = logging.getLogger("pagellm.engine")
 
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
@@ -79,8 +81,6 @@ def check_vllm_engine_fields(args: Any) -> None:
 
 
 def _check_generation_overrides(overrides: dict[str, Any] | None) -> None:
-    from pagellm.model.generation_config import SAMPLING_KEYS
-
     if not overrides:
         return
     unknown = sorted(set(overrides) - set(SAMPLING_KEYS))

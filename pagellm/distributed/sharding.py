@@ -14,15 +14,16 @@ all-reduce sums the ranks' outputs.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
-from pagellm.engine.sizing import kv_heads_per_rank
 from pagellm.model.layers import GatedMLP
-from pagellm.model.llama import Attention, head_dim_of
+from pagellm.model.llama import Attention, LlamaForCausalLM, head_dim_of
 from pagellm.model.moe import SparseMoeBlock
 
 
@@ -39,7 +40,13 @@ class AllReduced(nn.Module):
         return out
 
 
-def check_shardable(config: Any, world: int) -> None:
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads each rank stores: an even share, or one (replicated) where there are fewer KV heads
+    than ranks, as vLLM does. (engine/sizing.py sizes each rank's KV pool by it.)"""
+    return max(1, -(-num_kv_heads // tensor_parallel_size))
+
+
+def check_shardable(config: PretrainedConfig, world: int) -> None:
     """ValueError naming what does not divide when ``config``'s model is split over ``world`` ranks."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -54,7 +61,7 @@ def check_shardable(config: Any, world: int) -> None:
         raise ValueError(f"tensor_parallel_size {world} must divide the MLP's intermediate size {bad[0]}")
 
 
-def sharded_config(config: Any, world: int) -> Any:
+def sharded_config(config: PretrainedConfig, world: int) -> PretrainedConfig:
     """A copy of ``config`` with one rank's attention heads: what its KV cache and attention backend see."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -113,9 +120,14 @@ def shard_mlp_(mlp: GatedMLP, rank: int, world: int, reduce: bool) -> None:
         mlp.add_module("down_proj", AllReduced(mlp.down_proj))
 
 
-def shard_model_(model: nn.Module, rank: int, world: int) -> None:
+def shard_for(rank: int, world: int) -> Callable[[LlamaForCausalLM], None] | None:
+    """``loader.load_model``'s ``shard`` for rank ``rank`` of ``world``: ``shard_model_`` (None for one rank)."""
+    return None if world == 1 else functools.partial(shard_model_, rank=rank, world=world)
+
+
+def shard_model_(model: LlamaForCausalLM, rank: int, world: int) -> None:
     """Cut ``model`` (loaded whole, not yet packed) to rank ``rank``'s share of ``world``."""
-    config = model.config  # type: ignore[attr-defined]
+    config = model.config
     check_shardable(config, world)
     in_moe: set[int] = set()
     for module in list(model.modules()):
@@ -132,6 +144,6 @@ def shard_model_(model: nn.Module, rank: int, world: int) -> None:
             shard_attention_(module, rank, world)
         elif isinstance(module, GatedMLP) and id(module) not in in_moe:
             shard_mlp_(module, rank, world, reduce=True)
-    model.config = sharded_config(config, world)  # type: ignore[assignment]
+    model.config = sharded_config(config, world)
     # The native step driver runs every layer in one call: no all-reduce between them.
-    model.native_step_driver = False  # type: ignore[assignment]
+    model.native_step_driver = False

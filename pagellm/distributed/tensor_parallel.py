@@ -36,6 +36,7 @@ from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.distributed.step_message import HEADER_LEN, STOP, decode_step, encode_step, stop_header
 from pagellm.text import plural
+from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +102,17 @@ def local_device(device: torch.device, rank: int, args: EngineArgs) -> torch.dev
     return torch.device("cuda", rank % local_world_size(args))
 
 
-def spawn_local_workers(args: EngineArgs, first_rank: int, count: int) -> list[subprocess.Popen]:
+def spawn_local_workers(args: EngineArgs, first_rank: int, count: int, worker_module: str) -> list[subprocess.Popen]:
     """Start ``count`` worker processes as ranks ``first_rank``.. of this node: fresh interpreters
-    running this module (no copy of the parent's threads or torch state, and no re-import of the
-    user's script, which multiprocessing's spawn would need guarded by ``if __name__ == "__main__"``).
-    The engine arguments go through stdin (prompts to preload may be larger than an environment allows)."""
+    running ``python -m worker_module RANK`` (the engine's ``pagellm.engine.tp_worker``: no copy of the
+    parent's threads or torch state, and no re-import of the user's script, which multiprocessing's
+    spawn would need guarded by ``if __name__ == "__main__"``). The engine arguments go through stdin
+    (prompts to preload may be larger than an environment allows); the worker reads them with
+    ``read_worker_args``."""
     settings = json.dumps(dataclasses.asdict(dataclasses.replace(args, preload_prompts=None)))
     procs = []
     for rank in range(first_rank, first_rank + count):
-        p = subprocess.Popen([sys.executable, "-m", "pagellm.distributed.tensor_parallel", str(rank)],
+        p = subprocess.Popen([sys.executable, "-m", worker_module, str(rank)],
                              stdin=subprocess.PIPE, text=True)
         assert p.stdin is not None
         p.stdin.write(settings)
@@ -119,9 +122,10 @@ def spawn_local_workers(args: EngineArgs, first_rank: int, count: int) -> list[s
 
 
 class TensorParallelDriver:
-    """Rank 0: starts this node's other ranks, shares the KV cache's size, broadcasts each step."""
+    """Rank 0: starts this node's other ranks (``worker_module``, run as ``python -m``: the engine's
+    ``pagellm.engine.tp_worker``), shares the KV cache's size, broadcasts each step."""
 
-    def __init__(self, args: EngineArgs, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, args: EngineArgs, device: torch.device, dtype: torch.dtype, worker_module: str) -> None:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: shut it down first "
                                "(llm.shutdown(), `with LLM(...) as llm:`, or `del llm` and gc.collect())")
@@ -135,7 +139,7 @@ class TensorParallelDriver:
         self.closed = False
         self.started = False  # every rank has its KV cache and waits for steps
         self.threads_before = torch.get_num_threads()
-        self.procs = spawn_local_workers(args, 1, local_world_size(args) - 1)
+        self.procs = spawn_local_workers(args, 1, local_world_size(args) - 1, worker_module)
         atexit.register(self.close)
         logger.info("tensor parallel: %d ranks (%d on this node, %s each), meeting at %s:%d", self.world,
                     local_world_size(args), plural(threads_per_rank(args), "thread"), args.master_addr,
@@ -181,7 +185,7 @@ class TensorParallelDriver:
             self.check_workers()
             raise WorkerDiedError(f"a tensor-parallel rank stopped answering: {e}") from e
 
-    def execute(self, runner: Any, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, runner: ModelRunner, out: SchedulerOutput) -> ModelRunnerOutput:
         """Send the step to the workers, then run rank 0's share of it. Any failure from here on is
         fatal: the other ranks may be waiting in an all-reduce rank 0 never reaches."""
         if self.closed:
@@ -192,7 +196,7 @@ class TensorParallelDriver:
         if payload.numel():
             self._broadcast(payload)
         try:
-            return runner.execute(out)  # type: ignore[no-any-return]
+            return runner.execute(out)
         except Exception as e:
             self.check_workers()
             raise WorkerDiedError(f"a step failed with the model split over {self.world} processes, which are "
@@ -219,35 +223,33 @@ class TensorParallelDriver:
         torch.set_num_threads(self.threads_before)
 
 
-def worker_main(args: EngineArgs, rank: int) -> None:
-    """A worker rank: its share of the model and KV cache, then one forward pass per broadcast step."""
-    from pagellm.engine.startup import allocate_kv_cache, resolve_max_model_len
-    from pagellm.model import loader
-    from pagellm.model.hf_overrides import apply_hf_overrides
-    from pagellm.model.llama import sliding_window_of
-    from pagellm.worker.model_runner import ModelRunner
-    from pagellm.worker.sampler import Sampler
+# ------------------------------------------------------------------------------------ a worker rank
+# What a worker rank (pagellm/engine/tp_worker.py) receives, in the order the driver sends it.
 
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
-    files = loader.resolve_model_files(_model_path(args))
-    assert not isinstance(args.hf_overrides, str)  # (EngineArgs parsed its JSON)
-    config = apply_hf_overrides(loader.load_config(files.folder), args.hf_overrides)
-    device = local_device(loader.resolve_device(args.device), rank, args)
-    group = init_rank(args, rank, device, meeting_point(args, rank))
+
+def read_worker_args() -> tuple[EngineArgs, int]:
+    """A worker process's engine arguments (on stdin, from ``spawn_local_workers``) and rank (argv)."""
+    return EngineArgs(**json.loads(sys.stdin.read())), int(sys.argv[1])
+
+
+def receive_dtype(group: Any) -> torch.dtype:
+    """The model dtype rank 0 resolved (sent as the driver starts), whatever this host's CPU would choose."""
     code = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(code, src=0, group=group)
-    dtype = DTYPE_CODES[int(code)]  # rank 0's, whatever this host's CPU would have chosen
-    torch.manual_seed(args.seed)
-    max_model_len = resolve_max_model_len(config, args.max_model_len)
-    model = loader.load_model(files, config, dtype, device, args.load_format, max_model_len,
-                              tensor_parallel=(rank, args.tensor_parallel_size))
+    return DTYPE_CODES[int(code)]
+
+
+def receive_kv_cache_size(group: Any) -> tuple[int, int, int]:
+    """``share_kv_cache_size``'s numbers: the KV pool's blocks, max_model_len and the swap pool's blocks."""
     sizes = torch.zeros(3, dtype=torch.int64)
     dist.broadcast(sizes, src=0, group=group)
     num_blocks, max_model_len, num_cpu_blocks = sizes.tolist()
-    sized = dataclasses.replace(args, num_kv_blocks=num_blocks, max_model_len=max_model_len)
-    cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len, num_cpu_blocks)
-    runner = ModelRunner(model, cache_engine, Sampler([], device, args.seed), device,
-                         sliding_window=sliding_window_of(config), calculate_kv_scales=args.calculate_kv_scales)
+    return num_blocks, max_model_len, num_cpu_blocks
+
+
+def follow_steps(runner: ModelRunner, group: Any) -> None:
+    """Run ``runner``'s forward pass (``ModelRunner.forward_only``) for each step rank 0 broadcasts,
+    until it says stop; then leave the process group."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, src=0, group=group)
@@ -258,31 +260,3 @@ def worker_main(args: EngineArgs, rank: int) -> None:
             dist.broadcast(payload, src=0, group=group)
         runner.forward_only(decode_step(header, payload))
     dist.destroy_process_group()
-
-
-def _model_path(args: EngineArgs) -> Any:
-    from pathlib import Path
-
-    if args.model is not None:
-        return Path(args.model)
-    from pagellm.model.default_model import default_model_path
-
-    return default_model_path()
-
-
-def run_worker_node(args: EngineArgs) -> int:
-    """``--node-rank K > 0``: this node's ranks, until the driver stops them; no HTTP here."""
-    local = local_world_size(args)
-    first = args.node_rank * local
-    procs = spawn_local_workers(args, first + 1, local - 1)
-    logger.info("node %d of %d: ranks %d-%d of %d, meeting at %s:%d", args.node_rank, args.nnodes, first,
-                first + local - 1, args.tensor_parallel_size, args.master_addr, args.master_port)
-    try:
-        worker_main(args, first)
-    finally:
-        codes = [p.wait() for p in procs]
-    return max([0, *(abs(c) for c in codes)])
-
-
-if __name__ == "__main__":  # a worker process (spawn_local_workers)
-    worker_main(EngineArgs(**json.loads(sys.stdin.read())), int(sys.argv[1]))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheStats, cdiv
@@ -17,9 +18,9 @@ from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
-from pagellm.distributed.sharding import check_shardable
+from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
-from pagellm.engine import startup
+from pagellm.engine import startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.phases import log_ready, phase
@@ -128,7 +129,7 @@ class LLMEngine:
         if world > 1:
             check_shardable(config, world)
             self.device = local_device(self.device, 0, args)
-            self.tensor_parallel = TensorParallelDriver(args, self.device, self.dtype)
+            self.tensor_parallel = TensorParallelDriver(args, self.device, self.dtype, tp_worker.MODULE)
         try:
             self._load_and_allocate(args, files, config, world)
         except BaseException:
@@ -154,10 +155,11 @@ class LLMEngine:
         self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder,
                                                                args.override_generation_config)
 
-    def _load_and_allocate(self, args: EngineArgs, files: loader.ModelFiles, config: Any, world: int) -> None:
+    def _load_and_allocate(self, args: EngineArgs, files: loader.ModelFiles, config: PretrainedConfig,
+                           world: int) -> None:
         with phase("loading the weights"):
             self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format,
-                                           self.max_model_len, tensor_parallel=(0, world) if world > 1 else None,
+                                           self.max_model_len, shard=shard_for(0, world),
                                            quantization=args.quantization)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size

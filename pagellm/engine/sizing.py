@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import PretrainedConfig
+
 from pagellm.config import KV_CACHE_DTYPES
 from pagellm.core.kv_cache_manager import cdiv
+from pagellm.distributed.sharding import kv_heads_per_rank
+from pagellm.model.llama import head_dim_of
 
 # Bytes per element of the model dtypes (vLLM's --dtype names and aliases, and torch's).
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -47,12 +51,6 @@ def kv_element_bytes(kv_cache_dtype: str, model_dtype: Any) -> int:
                      f"{', '.join(KV_CACHE_DTYPES)}")
 
 
-def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
-    """KV heads each rank stores: an even share, or one (replicated) where there are fewer KV heads
-    than ranks, as vLLM does."""
-    return max(1, cdiv(num_kv_heads, tensor_parallel_size))
-
-
 @dataclass(frozen=True)
 class KVCacheSizing:
     """The KV pool of one rank: K and V of ``num_layers`` layers, ``num_kv_heads`` heads (this rank's)
@@ -65,12 +63,10 @@ class KVCacheSizing:
     element_bytes: int
 
     @classmethod
-    def for_model(cls, config: Any, block_size: int, dtype: Any, kv_cache_dtype: str = "auto",
+    def for_model(cls, config: PretrainedConfig, block_size: int, dtype: Any, kv_cache_dtype: str = "auto",
                   tensor_parallel_size: int = 1) -> KVCacheSizing:
         """One rank's KV sizing: from the whole model's config and ``tensor_parallel_size``, or from a
         rank's sharded config (its KV heads already its share) with the default of 1."""
-        from pagellm.model.llama import head_dim_of
-
         total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(config.num_hidden_layers, kv_heads_per_rank(total_kv_heads, tensor_parallel_size),
                    head_dim_of(config), block_size, kv_element_bytes(kv_cache_dtype, dtype))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
@@ -33,7 +34,7 @@ CUDA_SWAP_BYTES = 4 * 2**30  # vLLM's --swap-space default
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
 
 
-def resolve_max_model_len(config: Any, asked: int | None) -> int:
+def resolve_max_model_len(config: PretrainedConfig, asked: int | None) -> int:
     """``--max-model-len``, or the model's ``max_position_embeddings``; never more than the latter."""
     limit = getattr(config, "max_position_embeddings", None) or 2048
     if asked is None:
@@ -61,7 +62,7 @@ def load_tokenizer(path: str) -> Any:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
 
 
-def eos_token_ids(folder: Path, config: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(folder: Path, config: PretrainedConfig, tokenizer: Any) -> set[int]:
     """Every end-of-sequence id the config, the tokenizer and generation_config.json name."""
     ids: set[int] = set()
     gen_path = folder / "generation_config.json"
@@ -115,7 +116,7 @@ def swap_bytes(args: EngineArgs, device: torch.device, kv_pool_bytes: int) -> in
     return default_swap_bytes(kv_pool_bytes, available_host_memory() // args.local_world_size)
 
 
-def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device: torch.device,
+def allocate_kv_cache(args: EngineArgs, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                       max_model_len: int, num_cpu_blocks: int | None = None
                       ) -> tuple[CacheEngine, KVCacheManager, int]:
     """The KV tensors (device pool and swap pool), the manager of their blocks, sized from the
@@ -195,7 +196,7 @@ def allocate_kv_cache(args: EngineArgs, config: Any, dtype: torch.dtype, device:
     return cache_engine, manager, max_model_len
 
 
-def kv_cache_groups(config: Any) -> list[KVCacheGroupSpec] | None:
+def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroupSpec] | None:
     """The model's KV cache groups (layers by attention kind: Gemma's full-attention and sliding layers),
     full attention first; None where one group serves every layer."""
     groups = kv_groups_of(config)

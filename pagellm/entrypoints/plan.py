@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagellm.config import DTYPE_CHOICES, EngineArgs, parse_memory
+from pagellm.config import DTYPE_CHOICES, KV_CACHE_DTYPES, EngineArgs, parse_memory
 from pagellm.text import plural
 
 # Per process, besides weights and KV: the Python runtime, torch, the tokenizer, the server and a
@@ -139,8 +139,6 @@ def make_plan(model: str | Path | None = None, *, kv_cache_memory: int | str | N
               overhead: int | str = DEFAULT_OVERHEAD) -> Plan:
     """The plan for ``model`` (None: the embedded default); ValueError / FileNotFoundError naming the flag."""
     # Every flag is checked before the model is read (a GGUF file's first read takes seconds).
-    from pagellm.engine.sizing import KV_CACHE_DTYPES
-
     asked_budget = _memory("--kv-cache-memory", kv_cache_memory) if kv_cache_memory is not None else None
     overhead_bytes = _memory("--overhead", overhead)
     for flag, value in (("--max-model-len", max_model_len), ("--tensor-parallel-size", tensor_parallel_size),

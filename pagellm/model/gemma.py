@@ -21,11 +21,12 @@ What differs from Llama, as transformers' modeling_gemma2.py and modeling_gemma3
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagellm.model.attention import AttentionMetadata, KVCache, OutputRows
 from pagellm.model.attention.torch_backend import soft_cap
@@ -78,7 +79,7 @@ class GemmaAttention(Attention):
     """Llama's attention with Gemma's score scale, this layer's own window and, for Gemma3, Gemma-style
     per-head q/k norms."""
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, window: int | None, qk_norm: bool) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, rotary, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
@@ -89,7 +90,7 @@ class GemmaAttention(Attention):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, window: int | None, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, window: int | None, qk_norm: bool,
                  kv_group: int = 0) -> None:
         super().__init__()
         # The KV cache group whose block tables and slots this layer reads (kv_groups_of).
@@ -128,7 +129,7 @@ class _LayerTypeConfig:
     """A config as the layers of one type see it: that type's own rope parameters (what
     ``RotaryEmbedding`` and transformers' rope functions read), every other attribute the config's."""
 
-    def __init__(self, config: Any, rope_parameters: dict) -> None:
+    def __init__(self, config: PretrainedConfig, rope_parameters: dict) -> None:
         self._config = config
         self.rope_parameters = rope_parameters
 
@@ -136,16 +137,17 @@ class _LayerTypeConfig:
         return getattr(self._config, name)
 
 
-def rope_config_for(config: Any, layer_type: str) -> Any:
+def rope_config_for(config: PretrainedConfig, layer_type: str) -> PretrainedConfig:
     """The config whose rope parameters are ``layer_type``'s: Gemma3 keeps one set per layer type
     (``{"sliding_attention": {...}, "full_attention": {...}}``), Gemma2 one for all."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
-        return _LayerTypeConfig(config, params[layer_type])
+        # (A view, read as the config it wraps by the rotary embedding and transformers' rope functions.)
+        return cast(PretrainedConfig, _LayerTypeConfig(config, params[layer_type]))
     return config
 
 
-def layer_types_of(config: Any) -> list[str]:
+def layer_types_of(config: PretrainedConfig) -> list[str]:
     """Each layer's kind, sliding or full attention; ValueError for any other."""
     types = list(getattr(config, "layer_types", None) or [])
     if len(types) != config.num_hidden_layers:
@@ -157,7 +159,7 @@ def layer_types_of(config: Any) -> list[str]:
     return types
 
 
-def kv_groups_of(config: Any) -> list[tuple[int | None, tuple[int, ...]]] | None:
+def kv_groups_of(config: PretrainedConfig) -> list[tuple[int | None, tuple[int, ...]]] | None:
     """The layers grouped by how they attend, as (window or None for full attention, layer indices):
     the full-attention group first, then the sliding one. None where one group serves every layer
     (every layer attends alike, or no window is set)."""
@@ -183,13 +185,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     native_step_driver = False  # (the native step driver runs Llama layers only)
     qk_norm = False  # Gemma3: per-head q/k norms
 
-    def __init__(self, config: Any, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
         super().__init__(config, max_position)
         self.attn_logit_softcap = getattr(config, "attn_logit_softcapping", None)
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
     @classmethod
-    def check_config(cls, config: Any) -> None:
+    def check_config(cls, config: PretrainedConfig) -> None:
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act not in GELU_TANH:
             raise ValueError(f"hidden_activation {act!r} is not supported (only {', '.join(GELU_TANH)})")
@@ -197,7 +199,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             raise ValueError("use_bidirectional_attention is not supported (pagellm's attention is causal)")
         layer_types_of(config)
 
-    def make_layers(self, config: Any, max_position: int) -> list[nn.Module]:
+    def make_layers(self, config: PretrainedConfig, max_position: int) -> list[nn.Module]:
         types = layer_types_of(config)
         # One rotary table per layer type, shared by the layers of that type.
         rotary = {t: RotaryEmbedding(rope_config_for(config, t), head_dim_of(config), max_position) for t in set(types)}
@@ -207,7 +209,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return [GemmaDecoderLayer(config, rotary[t], window if t == SLIDING else None, self.qk_norm,
                                   kv_group=int(groups is not None and t == SLIDING)) for t in types]
 
-    def make_norm(self, config: Any) -> nn.Module:
+    def make_norm(self, config: PretrainedConfig) -> nn.Module:
         return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

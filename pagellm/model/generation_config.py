@@ -11,17 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from pagellm.sampling_params import SAMPLING_KEYS, SamplingParams
 
-# generation_config.json key -> SamplingParams field
-SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+logger = logging.getLogger(__name__)
 
 
 def default_sampling_fields(setting: str, model_folder: Path,
@@ -41,8 +33,6 @@ def default_sampling_fields(setting: str, model_folder: Path,
     fields = {field: config[key] for key, field in SAMPLING_KEYS.items() if config.get(key) is not None}
     if not fields:
         return fields
-    from pagellm.sampling_params import SamplingParams
-
     try:
         SamplingParams(**fields)
     except (ValueError, TypeError) as e:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from pagellm.model.gguf_header import GGUFHeader, TensorInfo, read_header, tensor_view
 from pagellm.model.quant_linear import QuantizedWeight
@@ -144,13 +145,13 @@ def _write_prepared(gguf_path: Path, out: Path) -> None:
     (out / WEIGHTS_MAP_FILE).write_text(json.dumps(weights_map, indent=1) + "\n")
 
 
-def _processor(arch: str, config: Any) -> Any:
+def _processor(arch: str, config: PretrainedConfig) -> Any:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
-def _weights_map(config: Any, arch: str) -> dict[str, str]:
+def _weights_map(config: PretrainedConfig, arch: str) -> dict[str, str]:
     """GGUF tensor name -> the model's weight name, as transformers maps them (it walks every module
     of the model, building gguf's name table for each: seconds, hence kept in the prepared folder)."""
     from transformers import AutoModelForCausalLM
@@ -197,7 +198,7 @@ def _keeps_blocks(hf_name: str | None, tensor: TensorInfo) -> bool:
             and len(tensor.dims) == 2 and kernels_read(tensor.type, tensor.dims[0]))
 
 
-def iterate_weights(gguf_path: Path, config: Any, dtype: torch.dtype, keep_quantized: bool = False
+def iterate_weights(gguf_path: Path, config: PretrainedConfig, dtype: torch.dtype, keep_quantized: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(Hugging Face weight name, tensor in ``dtype``) for every tensor of the file, dequantized one
     at a time; with ``keep_quantized``, linear layers' tensors the kernels read come as

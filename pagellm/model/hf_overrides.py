@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 
-def apply_hf_overrides(config: Any, overrides: dict[str, Any] | None, prefix: str = "") -> Any:
+def apply_hf_overrides(config: PretrainedConfig, overrides: dict[str, Any] | None,
+                       prefix: str = "") -> PretrainedConfig:
     """Set each key of ``overrides`` on ``config`` and return it.
 
     A dict given for a nested config (``text_config``, say) updates that config key by key; any other
@@ -17,8 +20,6 @@ def apply_hf_overrides(config: Any, overrides: dict[str, Any] | None, prefix: st
     """
     if not overrides:
         return config
-    from transformers import PretrainedConfig
-
     for key, value in overrides.items():
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"hf_overrides (--hf-overrides): {key!r} is not a config attribute name")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagellm.kernels import native
 
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_parameters(config: Any) -> dict:
+def rope_parameters(config: PretrainedConfig) -> dict:
     """The rotary settings of an HF config, whichever transformers version wrote it.
 
     transformers >= 5 keeps them in ``config.rope_parameters`` (with ``rope_theta``
@@ -74,7 +75,7 @@ class RotaryEmbedding(nn.Module):
     # The rope types this class builds (a subclass for a family with more widens it).
     rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
 
-    def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
         params = rope_parameters(config)
         rope_type = params["rope_type"]
@@ -86,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def build_tables(self, config: Any, params: dict, head_dim: int, max_position: int
+    def build_tables(self, config: PretrainedConfig, params: dict, head_dim: int, max_position: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 cos and sin tables, (max_position, rotary_dim) each."""
         if params["rope_type"] == "default":
@@ -129,7 +130,7 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
     long_from: int | None = None
     long_offset: int = 0
 
-    def build_tables(self, config: Any, params: dict, head_dim: int, max_position: int
+    def build_tables(self, config: PretrainedConfig, params: dict, head_dim: int, max_position: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         # (transformers < 5 keeps the factor beside the rope settings, not among them)
         factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagellm.model.attention import (
     META_WINDOW,
@@ -28,7 +29,7 @@ from pagellm.model.packed_linear import PackedLinear
 from pagellm.model.quant_linear import QuantizedWeight
 
 
-def head_dim_of(config: Any) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -37,7 +38,7 @@ def head_dim_of(config: Any) -> int:
 PER_LAYER_WINDOW_TYPES = ("gemma2", "gemma3_text")
 
 
-def sliding_window_of(config: Any) -> int | None:
+def sliding_window_of(config: PretrainedConfig) -> int | None:
     """The attention window in tokens that applies to every layer, or None (full attention, or
     windows set per layer)."""
     model_type = getattr(config, "model_type", "")
@@ -49,7 +50,7 @@ def sliding_window_of(config: Any) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -137,13 +138,13 @@ class Attention(nn.Module):
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
-def dense_mlp(config: Any) -> GatedMLP:
+def dense_mlp(config: PretrainedConfig) -> GatedMLP:
     """The gated MLP of ``config.intermediate_size`` every Llama-family layer has."""
     return GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
         """``mlp``: the feed-forward block (a family's own, e.g. a mixture of experts); default the dense one."""
         super().__init__()
         # Qwen2 always has q/k/v biases and none on o_proj; Llama/Mistral follow attention_bias.
@@ -194,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Any, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_position: int) -> None:
         super().__init__()
         self.check_config(config)
         self.config = config
@@ -210,23 +211,23 @@ class LlamaForCausalLM(nn.Module):
         # Chosen once by the model runner (set_attention_backend).
         self.attn_backend: AttentionBackend | None = None
         # Decode-only steps run every layer in one call where the backend has a driver for these
-        # layers (the native one: model/native_decode.py; the same bits as the layers' forward).
+        # layers (the native one: model/attention/native_decode.py; the same bits as the layers' forward).
         self._driver: StepDriver | None = None
         self._driver_pools: list[KVCache] | None = None
 
     @classmethod
-    def check_config(cls, config: Any) -> None:
+    def check_config(cls, config: PretrainedConfig) -> None:
         """Raise ValueError where ``config`` asks for what this class does not implement."""
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
 
-    def make_layers(self, config: Any, max_position: int) -> list[nn.Module]:
+    def make_layers(self, config: PretrainedConfig, max_position: int) -> list[nn.Module]:
         """The decoder layers, in order; families with other layers (gemma.py) override this."""
         rotary = self.make_rotary(config, max_position)
         return [DecoderLayer(config, rotary, self.make_mlp(config, i)) for i in range(config.num_hidden_layers)]
 
-    def make_norm(self, config: Any) -> nn.Module:
+    def make_norm(self, config: PretrainedConfig) -> nn.Module:
         """The norm after the last layer."""
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -234,11 +235,11 @@ class LlamaForCausalLM(nn.Module):
         """(num_tokens,) token ids -> (num_tokens, hidden): the first layer's input."""
         return self.embed_tokens(input_ids)
 
-    def make_rotary(self, config: Any, max_position: int) -> RotaryEmbedding:
+    def make_rotary(self, config: PretrainedConfig, max_position: int) -> RotaryEmbedding:
         """The rotary embedding every layer shares; families with other rope rules (phi3.py) override this."""
         return RotaryEmbedding(config, head_dim_of(config), max_position)
 
-    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer ``layer_idx``; families with another one (moe.py) override this."""
         return dense_mlp(config)
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
-from pagellm.config import DTYPE_CHOICES
+from pagellm.config import DTYPE_CHOICES, LOAD_FORMATS
 from pagellm.kernels import native
 from pagellm.model import gguf_file
+from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.packed_linear import pack_linear_layers
 from pagellm.model.quant_linear import QUANTIZERS, QuantLinear, install_quantized, quantize_linear_layers
 from pagellm.model.registry import model_class_for
@@ -32,7 +33,6 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -107,7 +107,7 @@ def check_model_folder(path: str | Path) -> Path:
     return folder
 
 
-def load_config(folder: Path) -> Any:
+def load_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -182,10 +182,10 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                  "safetensors?)") from e
 
 
-def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch.device,
-                      tensor_parallel: tuple[int, int] | None) -> bool:
+def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch.device, sharded: bool) -> bool:
     """Whether a GGUF file's quantized linear weights stay in their blocks (model/quant_linear.py):
-    the default on CPU where the native kernels load; ``--quantization gguf`` insists, ``none`` declines."""
+    the default on CPU where the native kernels load; ``--quantization gguf`` insists, ``none`` declines.
+    ``sharded``: the model is cut to a tensor-parallel rank's share (which takes dequantized weights)."""
     if files.gguf is None and quantization == "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights, but {files.path} is a Hugging "
                          "Face folder: pass a .gguf file, or --quantization int8 / q4_0 to quantize this checkpoint")
@@ -193,7 +193,7 @@ def keeps_gguf_blocks(files: ModelFiles, quantization: str | None, device: torch
         return False
     reason = ("the native kernels are not available (see the warning above)" if native.load() is None
               else "they run on CPU only" if device.type != "cpu"
-              else "tensor parallelism shards dequantized weights" if tensor_parallel and tensor_parallel[1] > 1
+              else "tensor parallelism shards dequantized weights" if sharded
               else None)
     if reason is not None and quantization == "gguf":
         raise ValueError(f"--quantization gguf cannot keep the GGUF weights quantized: {reason}; leave "
@@ -243,16 +243,16 @@ def _no_random_init() -> Iterator[None]:
 
 
 def load_model(
-    files: ModelFiles, config: Any, dtype: torch.dtype, device: torch.device, load_format: str, max_position: int,
-    tensor_parallel: tuple[int, int] | None = None, quantization: str | None = None,
-) -> nn.Module:
-    """The model with its weights; ``tensor_parallel`` (rank, world): that rank's share of it, cut
-    from the whole weights before they are packed (distributed/sharding.py). ``quantization``: as
-    ``--quantization`` (model/quant_linear.py)."""
+    files: ModelFiles, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, load_format: str,
+    max_position: int, shard: Callable[[LlamaForCausalLM], None] | None = None, quantization: str | None = None,
+) -> LlamaForCausalLM:
+    """The model with its weights. ``shard``: cuts the model to one tensor-parallel rank's share, in
+    place (distributed/sharding.py's ``shard_model_`` for that rank), from the whole weights before
+    they are packed. ``quantization``: as ``--quantization`` (model/quant_linear.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device, files)
-    keep_blocks = load_format != "dummy" and keeps_gguf_blocks(files, quantization, device, tensor_parallel)
+    keep_blocks = load_format != "dummy" and keeps_gguf_blocks(files, quantization, device, shard is not None)
     cls = model_class_for(getattr(config, "architectures", None))
     with torch.device(device), _no_random_init():
         model = cls(config, max_position=max_position)
@@ -272,10 +272,8 @@ def load_model(
                        else iterate_weights(files.folder))
             model.load_weights(weights)
     model.eval()
-    if tensor_parallel is not None and tensor_parallel[1] > 1:
-        from pagellm.distributed.sharding import shard_model_
-
-        shard_model_(model, *tensor_parallel)
+    if shard is not None:
+        shard(model)
     parts = getattr(model, "quantized_parts", None)
     if parts:
         count = install_quantized(model, parts)

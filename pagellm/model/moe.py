@@ -16,10 +16,10 @@ Qwen3-MoE's ``mlp.experts.E.gate_proj/up_proj/down_proj``), which is what transf
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM, dense_mlp
@@ -95,14 +95,14 @@ class MoeForCausalLM(LlamaForCausalLM):
     # Checkpoint name pieces -> ours (a family's older spellings).
     renames: dict[str, str] = {}
 
-    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return self.make_moe(config) if self.is_sparse(config, layer_idx) else dense_mlp(config)
 
-    def is_sparse(self, config: Any, layer_idx: int) -> bool:
+    def is_sparse(self, config: PretrainedConfig, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has a sparse MoE block (else the dense MLP)."""
         return True
 
-    def make_moe(self, config: Any) -> SparseMoeBlock:
+    def make_moe(self, config: PretrainedConfig) -> SparseMoeBlock:
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
@@ -143,7 +143,7 @@ class MixtralForCausalLM(MoeForCausalLM):
         ".w2.weight": ".down_proj.weight",
     }
 
-    def make_moe(self, config: Any) -> SparseMoeBlock:
+    def make_moe(self, config: PretrainedConfig) -> SparseMoeBlock:
         return SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_local_experts,
                               config.num_experts_per_tok, renormalize=True, float32_weights=True)
 
@@ -152,11 +152,11 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     """Qwen3-MoE: q/k norms; sparse layers every ``decoder_sparse_step`` except ``mlp_only_layers``;
     renormalized only with ``norm_topk_prob``; routing weights rounded to the model's dtype."""
 
-    def is_sparse(self, config: Any, layer_idx: int) -> bool:
+    def is_sparse(self, config: PretrainedConfig, layer_idx: int) -> bool:
         return (layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
                 and config.num_experts > 0 and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
-    def make_moe(self, config: Any) -> SparseMoeBlock:
+    def make_moe(self, config: PretrainedConfig) -> SparseMoeBlock:
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob),
                               float32_weights=False)

@@ -16,9 +16,10 @@ A window (``sliding_window``) is the model-wide one, as for Mistral; there are n
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
+from transformers import PretrainedConfig
 
 from pagellm.model.attention import AttentionMetadata, KVCache
 from pagellm.model.layers import Phi3RotaryEmbedding, rope_parameters
@@ -36,7 +37,7 @@ def step_lengths(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tens
     return lengths
 
 
-def longrope_switch_length(config: Any, max_model_len: int) -> int | None:
+def longrope_switch_length(config: PretrainedConfig, max_model_len: int) -> int | None:
     """The length past which a longrope model (Phi-3) reads its long factors, where ``max_model_len``
     lets a sequence get past it; None for any other model. A sequence that grows past it is computed
     again from its first token, and the prefix cache keys blocks by the side of it they were computed
@@ -57,7 +58,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # The checkpoint's fused projections are ours: no name is split into shards.
     stacked_params: dict[str, tuple[str, int]] = {}
 
-    def make_rotary(self, config: Any, max_position: int) -> Phi3RotaryEmbedding:
+    def make_rotary(self, config: PretrainedConfig, max_position: int) -> Phi3RotaryEmbedding:
         return Phi3RotaryEmbedding(config, head_dim_of(config), max_position)
 
     @property

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from pagellm.config import ConstraintLimits, constraint_flag
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import UNIMPLEMENTED, GuidanceBackend, grammar_text
-from pagellm.structured_output.limits import ConstraintLimits, check_constraint, flag
+from pagellm.structured_output.limits import check_constraint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -219,8 +220,8 @@ class ConstraintCompiler:
         if verdict.get("mask_ms", 0.0) > self.limits.max_mask_ms:
             raise ValueError(f"{what} is too costly to enforce: one token's mask takes {verdict['mask_ms']:.0f} ms "
                              f"of CPU, more than this server allows ({self.limits.max_mask_ms:g} ms, "
-                             f"{flag('max_mask_ms')}): simplify it (long literals and large repetition counts cost "
-                             "the most)")
+                             f"{constraint_flag('max_mask_ms')}): simplify it (long literals and large repetition "
+                             "counts cost the most)")
         template = self.backend.matcher(verdict["grammar"])
         if template.is_error():
             raise ValueError(f"invalid structured_outputs.{so.kind}: {template.get_error()}")
@@ -237,7 +238,7 @@ class ConstraintCompiler:
         verdict = self._probe.run(request, timeout)
         if verdict.get("timed_out"):
             raise ValueError(f"the {so.kind} constraint took longer than {timeout:g} s to compile: simplify it, or "
-                             f"start the server with a larger {flag('compile_timeout')}")
+                             f"start the server with a larger {constraint_flag('compile_timeout')}")
         if verdict.get("crashed"):
             raise ValueError(f"the {so.kind} constraint is too deeply nested for the grammar engine: simplify it "
                              "(fewer levels of rules, references or groups)")

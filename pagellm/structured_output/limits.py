@@ -10,51 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
-from pagellm.config import (
-    DEFAULT_COMPILE_TIMEOUT,
-    DEFAULT_MAX_BYTES,
-    DEFAULT_MAX_DEPTH,
-    DEFAULT_MAX_MASK_MS,
-    DEFAULT_MAX_RULES,
-)
+from pagellm.config import ConstraintLimits, constraint_flag
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.text import plural
 
 # The grammar engine keeps at most this many items in one row of its parser: every choice is one,
 # so a longer choice list dead-ends after its first token.
 MAX_CHOICES = 1999
-
-
-@dataclass(frozen=True)
-class ConstraintLimits:
-    """``max_bytes``: the constraint's text (schema, grammar, regex, choices) at most this long;
-    ``max_depth``: a JSON schema nested at most this deep, as written; ``compile_timeout``: the time
-    one constraint may take to compile before the request is refused; ``max_mask_ms``: the CPU time
-    one token's mask may cost (it is spent inside every step the request is in)."""
-
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_depth: int = DEFAULT_MAX_DEPTH
-    max_rules: int = DEFAULT_MAX_RULES
-    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
-    max_mask_ms: float = DEFAULT_MAX_MASK_MS
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_depth", "max_rules"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{flag(name)} must be a positive integer, got {v!r}")
-        for name in ("compile_timeout", "max_mask_ms"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-                raise ValueError(f"{flag(name)} must be a positive number, got {v!r}")
-
-
-def flag(name: str) -> str:
-    """The server flag of a ConstraintLimits field."""
-    return "--structured-outputs-" + name.replace("_", "-")
 
 
 def constraint_text(so: StructuredOutputsParams) -> str:
@@ -105,7 +69,7 @@ def check_constraint(so: StructuredOutputsParams, limits: ConstraintLimits) -> N
     if size > limits.max_bytes:
         raise ValueError(f"the {so.kind} constraint is {plural(size, 'byte')} long, more than this server takes "
                          f"({limits.max_bytes}): simplify it, or start the server with a larger "
-                         f"{flag('max_bytes')}")
+                         f"{constraint_flag('max_bytes')}")
     if so.kind == "choice" and len(so.choice or ()) > MAX_CHOICES:
         raise ValueError(f"choice lists {plural(len(so.choice or ()), 'option')}; the grammar engine follows at most "
                          f"{MAX_CHOICES} at once: narrow the list, or constrain with a regex or a JSON schema")
@@ -114,7 +78,7 @@ def check_constraint(so: StructuredOutputsParams, limits: ConstraintLimits) -> N
         if rules > limits.max_rules:
             raise ValueError(f"the grammar defines {plural(rules, 'rule')}, more than this server takes "
                              f"({limits.max_rules}): simplify it, or start the server with a larger "
-                             f"{flag('max_rules')}")
+                             f"{constraint_flag('max_rules')}")
     if so.kind == "json":
         schema: Any = so.json
         if isinstance(schema, str):
@@ -126,4 +90,4 @@ def check_constraint(so: StructuredOutputsParams, limits: ConstraintLimits) -> N
         if depth > limits.max_depth:
             raise ValueError(f"the JSON schema nests objects and lists more than {limits.max_depth} levels deep: "
                              f"flatten it (use $defs and $ref), or start the server with a larger "
-                             f"{flag('max_depth')}")
+                             f"{constraint_flag('max_depth')}")

@@ -15,12 +15,12 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagellm.config import ConstraintLimits
 from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
 from pagellm.structured_output.compiler import ConstraintCompiler, Refused
-from pagellm.structured_output.limits import ConstraintLimits
 from pagellm.structured_output.wrap_up import (
     LOOKAHEAD,
     RECHECK,

@@ -36,7 +36,7 @@ def test_server_over_two_ranks_answers_and_dies_loudly_with_a_worker(llama_path)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         r = client.completions.create(model=str(llama_path), prompt=PROMPT, max_tokens=12, temperature=0)
         assert r.choices[0].text == want
-        workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "pagellm.distributed.tensor_parallel"],
+        workers = subprocess.run(["pgrep", "-P", str(srv.proc.pid), "-f", "pagellm.engine.tp_worker"],
                                  capture_output=True, text=True).stdout.split()
         assert len(workers) == 1, workers
         os.kill(int(workers[0]), signal.SIGKILL)

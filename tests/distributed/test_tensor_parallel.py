@@ -158,7 +158,7 @@ def test_a_worker_that_cannot_start_fails_the_start_at_once(tmp_path, monkeypatc
     # rank 0 waits for it, not when the rendezvous times out.
     import pagellm.distributed.tensor_parallel as tp
 
-    def broken(args, first_rank, count):
+    def broken(args, first_rank, count, worker_module):
         import subprocess
         import sys
         return [subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]) for _ in range(count)]

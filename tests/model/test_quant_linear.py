@@ -155,7 +155,7 @@ def test_the_shipped_gguf_keeps_its_blocks_and_decodes_as_its_dequantized_weight
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("inputs", ["int8", "float"])
 def test_decode_steps_in_one_native_call_give_the_layers_own_results(tmp_path, dtype, inputs, monkeypatch):
-    from pagellm.model.native_decode import QuantizedDecoder
+    from pagellm.model.attention.native_decode import QuantizedDecoder
 
     monkeypatch.setenv(ACTIVATIONS_ENV, inputs)  # (the same inputs in both paths: the same bits)
 

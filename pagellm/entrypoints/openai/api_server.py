@@ -38,7 +38,6 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.phases import log_ready
 from pagellm.engine.stats_logger import StatsLogger
-from pagellm.entrypoints.openai.cli_args import IGNORED_SERVER_FLAGS, api_keys_from_env
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
 from pagellm.entrypoints.openai.protocol import (
@@ -406,15 +405,9 @@ def load_chat_template(value: str | None) -> str | None:
     return template
 
 
-def log_ignored_server_flags(args: argparse.Namespace) -> None:
-    """One line for each of vLLM's server flags given that changes nothing here."""
-    for attr, why in IGNORED_SERVER_FLAGS.items():
-        if getattr(args, attr, False):
-            logger.info("--%s has no effect: %s", attr.replace("_", "-"), why)
-
-
 def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
-    """Serve on ``sock`` (bound by ``cli_args.bind_socket`` before anything heavy was imported)."""
+    """Serve on ``sock`` (bound by ``cli_args.bind_socket`` before anything heavy was imported), with the
+    flags ``cli_args`` parsed and checked (``args.api_key`` resolved: the flag's keys or the environment's)."""
     import uvicorn
 
     if args.model_tag is not None:
@@ -432,10 +425,9 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     max_body = parse_memory(args.max_request_body_size)
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
-    log_ignored_server_flags(args)
     if engine_args.node_rank > 0:  # another host's model shards: node 0 serves HTTP
         sock.close()
-        from pagellm.distributed.tensor_parallel import run_worker_node
+        from pagellm.engine.tp_worker import run_worker_node
 
         return run_worker_node(engine_args)
     engine = LLMEngine(engine_args)
@@ -443,7 +435,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
     names = engine_args.served_model_names or [args.model if args.model is not None else engine.model_path.name]
     name = names[0]
-    api_keys = args.api_key if args.api_key is not None else api_keys_from_env()
+    api_keys = args.api_key
     cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,
                     max_body_bytes=max_body, chat_template=chat_template, aliases=names[1:],

@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import socket
 from typing import Any
 
 from pagellm.config import EngineArgs
+
+logger = logging.getLogger("pagellm.server")
 
 DEFAULT_MAX_BODY = "1MiB"
 # --tool-call-parser's choices (tool_parsers.TOOL_PARSERS, named here so that --help imports nothing).
@@ -127,6 +130,13 @@ IGNORED_SERVER_FLAGS = {
 }
 
 
+def log_ignored_server_flags(args: argparse.Namespace) -> None:
+    """One line for each of vLLM's server flags given that changes nothing here."""
+    for attr, why in IGNORED_SERVER_FLAGS.items():
+        if getattr(args, attr, False):
+            logger.info("--%s has no effect: %s", attr.replace("_", "-"), why)
+
+
 def check_server_flags(args: argparse.Namespace) -> None:
     """ValueError naming the flag for a server setting that cannot work, before anything loads."""
     if args.enable_fastapi_docs and args.disable_fastapi_docs:
@@ -182,6 +192,10 @@ def _run(args: argparse.Namespace) -> Any:
     # The port is taken before anything loads (the server stack, torch, the model): a port in use is
     # reported at once, not after a long load.
     sock = bind_socket(args.host, args.port)
+    log_ignored_server_flags(args)
+    if args.api_key is None:
+        args.api_key = api_keys_from_env()
+    # The server stack (FastAPI, torch) once the flags are checked: `serve --help` imports neither.
     from pagellm.entrypoints.openai.api_server import run_server
 
     return run_server(args, sock)

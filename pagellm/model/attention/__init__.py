@@ -41,13 +41,14 @@ from pagellm.model.attention.backend import (
 )
 from pagellm.model.attention.metadata import (
     AttentionMetadata,
+    DecodeBatch,
     DecodeMetadata,
     OutputRows,
     PrefillSpan,
     cascade_runs,
     choose_output_rows,
 )
-from pagellm.model.attention.native_backend import DecodeBatch, NativeAttentionBackend
+from pagellm.model.attention.native_backend import NativeAttentionBackend
 from pagellm.model.attention.selector import BACKENDS, select_attention_backend
 from pagellm.model.attention.torch_backend import (
     BAG_MIN_BLOCK_SIZE,

@@ -51,6 +51,23 @@ class DecodeMetadata:
 
 
 @dataclass
+class DecodeBatch(DecodeMetadata):
+    """Every decode of the step (``[0, num)`` of the flat batch) for the native kernel, which reads
+    each sequence's own blocks (native_backend.py)."""
+
+    tables: torch.Tensor  # [num, max_blocks] int64 block ids, padded with any valid id
+    lens: torch.Tensor  # [num] int64 context lengths
+    scratch: torch.Tensor  # the kernel's working memory, shared by every layer
+    # [runs, 3] int64 (begin, end, shared): runs of decodes whose first blocks are the same, read once
+    # for the run (cascade attention, see native.paged_decode_attention); None: no such runs
+    cascade: torch.Tensor | None = None
+
+    @property
+    def num(self) -> int:
+        return self.lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     slot_blocks: torch.Tensor  # [num_tokens] int64: slot_mapping // block_size

@@ -9,14 +9,13 @@ samples) read those once for the run (cascade) where the kernel does so: bfloat1
 block_size 16 and head_dim 64 or 128 on the bfloat16 dot products, without a sliding window (the
 shared blocks may lie before it). Prefill runs the native kernel where it was written for the shape
 (block_size 16, head_dim 64 or 128), else PyTorch's flash kernel. With the native bfloat16 linears
-the whole decode-only step can run in one call (``step_driver``: ``model/native_decode.py``). The
+the whole decode-only step can run in one call (``step_driver``: ``native_decode.py``). The
 kernels have no attention logit soft-capping: models with it (Gemma2) take the PyTorch backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -31,25 +30,9 @@ from pagellm.model.attention.backend import (
     Window,
     resolve_window,
 )
-from pagellm.model.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillSpan, long_tensor, padded_tables
+from pagellm.model.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSpan, long_tensor, padded_tables
+from pagellm.model.attention.native_decode import NativeDecoder
 from pagellm.model.attention.torch_backend import sdpa_prefill
-
-
-@dataclass
-class DecodeBatch(DecodeMetadata):
-    """Every decode of the step (``[0, num)`` of the flat batch) for the native kernel, which reads
-    each sequence's own blocks."""
-
-    tables: torch.Tensor  # [num, max_blocks] int64 block ids, padded with any valid id
-    lens: torch.Tensor  # [num] int64 context lengths
-    scratch: torch.Tensor  # the kernel's working memory, shared by every layer
-    # [runs, 3] int64 (begin, end, shared): runs of decodes whose first blocks are the same, read once
-    # for the run (cascade attention, see native.paged_decode_attention); None: no such runs
-    cascade: torch.Tensor | None = None
-
-    @property
-    def num(self) -> int:
-        return self.lens.shape[0]
 
 
 def native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,6 +114,4 @@ class NativeAttentionBackend(AttentionBackend):
     def step_driver(self, model: Any, kv_caches: list[KVCache]) -> StepDriver | None:
         """Every layer of a decode-only step in one native call, where all its kernels are the native
         ones (bfloat16 weights packed for the native linears, bfloat16 pools)."""
-        from pagellm.model.native_decode import NativeDecoder  # (it imports this module)
-
         return NativeDecoder.create(model, kv_caches)

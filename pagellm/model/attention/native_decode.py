@@ -18,8 +18,7 @@ from typing import Any, cast
 import torch
 
 from pagellm.kernels import native, quant
-from pagellm.model.attention.metadata import AttentionMetadata
-from pagellm.model.attention.native_backend import DecodeBatch
+from pagellm.model.attention.metadata import AttentionMetadata, DecodeBatch
 from pagellm.model.packed_linear import PackedLinear
 from pagellm.model.quant_linear import QuantLinear
 
