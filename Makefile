@@ -65,6 +65,7 @@ test-cpu-paths: install
 lint: install
 	$(VENV)/bin/ruff check pagellm tests benchmarks
 	$(VENV)/bin/mypy pagellm
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pagellm.entrypoints.cli_docs --check
 
 docs-cli: install
