@@ -258,6 +258,10 @@ class EngineArgs:
         "accepted for vLLM scripts (no effect, logged): pagellm captures no CUDA graphs"))
     max_parallel_loading_workers: int | None = field(default=None, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): weights load in one pass"))
+    speculative_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
+        """speculative decoding as vLLM's JSON object, e.g. '{"method": "ngram", "num_speculative_tokens": 4, """
+        """"prompt_lookup_max": 4, "prompt_lookup_min": 2}' (n-gram drafts from the sequence's own tokens; """
+        "default: none)", metavar="JSON"))
     compilation_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): a JSON object or a level 0-3; pagellm runs eagerly",
         metavar="JSON|LEVEL"))
@@ -468,7 +472,6 @@ VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tokenizer_revision": ((None,), "pagellm loads local folders only (no model hub)"),
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
     "enable_lora": ((False,), "LoRA adapters are not supported yet"),
-    "speculative_config": ((None,), "speculative decoding is not supported yet"),
     "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
     "task": (("auto", "generate"), "pagellm generates text"),
 }

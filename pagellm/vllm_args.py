@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from pagellm.sampling_params import SAMPLING_KEYS
+from pagellm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("pagellm.engine")
 
@@ -76,6 +77,9 @@ def check_vllm_engine_fields(args: Any) -> None:
     args.override_generation_config = json_object("override_generation_config", args.override_generation_config)
     _check_generation_overrides(args.override_generation_config)
     args.compilation_config = _compilation_config(args.compilation_config)
+    args.speculative_config = json_object("speculative_config", args.speculative_config)
+    if args.speculative_config is not None:
+        SpeculativeConfig.from_dict(args.speculative_config)  # (raises, naming what is wrong)
     if args.optimization_level is not None and args.optimization_level not in OPTIMIZATION_LEVELS:
         raise ValueError(f"{_flag('optimization_level')} (-O) must be 0, 1, 2 or 3, got {args.optimization_level!r}")
 

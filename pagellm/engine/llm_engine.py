@@ -13,11 +13,12 @@ import torch
 from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs
-from pagellm.core.kv_cache_manager import KVCacheStats, cdiv
+from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
 from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
+from pagellm.core.speculation import SpeculativeConfig
 from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
 from pagellm.engine import startup, tp_worker
@@ -72,6 +73,10 @@ class EngineStats:
     num_generated_tokens: int  # cumulative
     num_prompt_tokens: int  # cumulative, counted when a request's prefill completes
     sla_attainment: float | None = None
+    # Speculative decoding, cumulative: sequence-steps with drafts, drafts proposed, drafts accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -176,6 +181,7 @@ class LLMEngine:
         self.kv_cache_manager.switch_length = switch_length
         budget = args.step_token_budget(self.max_model_len)
         self.eos_token_ids = startup.eos_token_ids(files.generation_config_folder, config, self.tokenizer)
+        self.speculative = speculative_config(args, self.kv_cache_manager)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=budget,
@@ -188,6 +194,7 @@ class LLMEngine:
                 default_ttft_slo=args.default_ttft_slo,
                 default_tpot_slo=args.default_tpot_slo,
                 recompute_past_length=switch_length,
+                speculative=self.speculative,
             ),
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
@@ -200,6 +207,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(
                 self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
                 structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
+                speculative=self.speculative is not None,
             )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
                                               self.eos_token_ids, structured_output=self.structured_output,
@@ -300,6 +308,9 @@ class LLMEngine:
             num_generated_tokens=scheduler.stats.num_generated_tokens,
             num_prompt_tokens=scheduler.stats.num_prompt_tokens,
             sla_attainment=scheduler.stats.sla_attainment,
+            spec_decode_num_drafts=scheduler.stats.num_spec_drafts,
+            spec_decode_num_draft_tokens=scheduler.stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=scheduler.stats.num_accepted_tokens,
         )
 
     # ----------------------------------------------------------- prefix cache
@@ -429,3 +440,20 @@ class LLMEngine:
     def make_output(self, request: Request) -> RequestOutput:
         """The request's output as it stands (an aborted one's, say)."""
         return self.output_processor.make_output(request)
+
+
+def speculative_config(args: EngineArgs, kv_cache_manager: KVCacheManager) -> SpeculativeConfig | None:
+    """``--speculative-config`` for this engine, or None; ValueError where the engine cannot speculate."""
+    if args.speculative_config is None:
+        return None
+    assert not isinstance(args.speculative_config, str)  # (EngineArgs parsed its JSON)
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    if kv_cache_manager.extra_groups:
+        raise ValueError("speculative_config: models with several KV cache groups (sliding and full-attention "
+                         "layers, as Gemma's) do not speculate yet; drop --speculative-config")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: tensor-parallel engines do not speculate yet; drop "
+                         "--speculative-config or --tensor-parallel-size")
+    logger.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d to %d tokens)", spec.method,
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return spec

@@ -55,6 +55,10 @@ class EngineMetrics:
         self.success = counter("pagellm_request_success", "Finished requests, one per returned sample (n > 1)",
                                ("finished_reason",))
         self.preemptions = counter("pagellm_num_preemptions", "Preemptions")
+        # Speculative decoding, as vLLM names it (acceptance length: 1 + accepted tokens / drafts).
+        self.spec_drafts = counter("pagellm_spec_decode_num_drafts", "Sequence-steps that carried draft tokens")
+        self.spec_draft_tokens = counter("pagellm_spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted = counter("pagellm_spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.ttft = hist("pagellm_time_to_first_token_seconds", "Time to first token")
         self.itl = hist("pagellm_inter_token_latency_seconds", "Time between two tokens of a sequence")
         self.e2e = hist("pagellm_e2e_request_latency_seconds", "Arrival to finish")
@@ -62,7 +66,8 @@ class EngineMetrics:
         self.model_name = model_name
         # Create every series up front so that /metrics lists them before the first request.
         for metric in (self.pc_queries, self.pc_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
-                       self.ttft, self.itl, self.e2e, self.queue_time):
+                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.ttft, self.itl, self.e2e,
+                       self.queue_time):
             self._labelled(metric)
         for reason in ("stop", "length", "abort", "error"):
             self._labelled(self.success, finished_reason=reason)
@@ -73,7 +78,9 @@ class EngineMetrics:
         # totals at start: start-up work (preloaded prefixes) is not traffic.
         self._from_totals = {"num_generated_tokens": self.generation_tokens, "num_prompt_tokens": self.prompt_tokens,
                              "num_preemptions": self.preemptions, "prefix_cache_queries": self.pc_queries,
-                             "prefix_cache_hits": self.pc_hits}
+                             "prefix_cache_hits": self.pc_hits, "spec_decode_num_drafts": self.spec_drafts,
+                             "spec_decode_num_draft_tokens": self.spec_draft_tokens,
+                             "spec_decode_num_accepted_tokens": self.spec_accepted}
         stats = engine.get_stats()
         self._counted = {field: getattr(stats, field) for field in self._from_totals}
         self._never_scheduled = 0
