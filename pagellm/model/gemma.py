@@ -32,6 +32,7 @@ from pagellm.model.attention import AttentionMetadata, KVCache, OutputRows
 from pagellm.model.attention.torch_backend import soft_cap
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.llama import PER_LAYER_WINDOW_TYPES, Attention, LlamaForCausalLM, head_dim_of
+from pagellm.model.quant_linear import QuantLinear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")  # transformers' names of the tanh approximation
@@ -216,12 +217,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         return x * rounded_to(self.config.hidden_size**0.5, x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits, soft-capped (in the model's
         dtype, as transformers caps them) where the config says."""
         cap = self.final_logit_softcap
         if cap is None:
-            return super().compute_logits(hidden)
+            return super().compute_logits(hidden, decode_step)
+        if isinstance(self.lm_head, QuantLinear):
+            return soft_cap(self.lm_head(hidden, decode_step=decode_step), cap).float()
         return soft_cap(self.lm_head(hidden), cap).float()
 
 

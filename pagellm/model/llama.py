@@ -26,7 +26,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.packed_linear import PackedLinear
-from pagellm.model.quant_linear import QuantizedWeight
+from pagellm.model.quant_linear import QuantizedWeight, QuantLinear
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -281,11 +281,14 @@ class LlamaForCausalLM(nn.Module):
             self._driver_pools = kv_caches
         return self._driver
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         """(num_selected, hidden) -> (num_selected, vocab) float32 logits (rounded to the model's dtype
-        first, as transformers computes them)."""
+        first, as transformers computes them). ``decode_step``: the rows are a decode-only step's (a
+        quantized LM head then multiplies as the decoder's layers do)."""
         if isinstance(self.lm_head, PackedLinear):
             return self.lm_head(hidden, out_dtype=torch.float32)
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(hidden, decode_step=decode_step).float()
         return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights

@@ -10,7 +10,9 @@ slower. ``decode``, the default, takes int8 inputs in decode-only steps run by t
 (``native_decode.py``: Llama-family models with pools in the model's dtype) and float inputs
 elsewhere, so that a prompt's first token is the dequantized model's (rounding a small model's prompt
 to int8 changes its answers: SmolLM2-135M no longer names Paris as France's capital); ``int8`` takes
-int8 inputs everywhere, ``float`` nowhere. The LM head always takes float inputs.
+int8 inputs everywhere, ``float`` nowhere. The LM head, outside the one-call decoder, follows the
+same rule (``forward``'s ``decode_step``): a decode step of many sequences multiplies its large weight
+once for all of them, where float inputs above ``DIRECT_MAX_ROWS`` would dequantize it every step.
 
 Where they come from:
 
@@ -123,22 +125,26 @@ class QuantLinear(nn.Module):
         parts = [s.dequantize() for s in self.segments]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x @ W.T + b in ``x``'s dtype, or ``out_dtype`` (float32 for logits)."""
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, decode_step: bool = False
+                ) -> torch.Tensor:
+        """x @ W.T + b in ``x``'s dtype, or ``out_dtype`` (float32 for logits). ``decode_step``: the rows
+        are a decode-only step's, which the ``decode`` mode multiplies with int8 inputs (the LM head's,
+        outside the one-call decoder: one pass over its weights for all the step's rows)."""
+        int8 = self.int8_activations or (decode_step and self.inputs == "decode")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DIRECT_MAX_ROWS[self.int8_activations]:
+        if rows.shape[0] <= DIRECT_MAX_ROWS[int8]:
             if rows.dtype != torch.float32 or rows.stride(1) != 1:
                 rows = rows.float().contiguous()
             out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
             if len(self._calls) == 1:
                 data, ggml_type, bias, _, _ = self._calls[0]
-                quant.quant_linear_checked(rows, data, ggml_type, bias, out, self.int8_activations)
+                quant.quant_linear_checked(rows, data, ggml_type, bias, out, int8)
             else:
                 for data, ggml_type, bias, begin, end in self._calls:
-                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], self.int8_activations)
+                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8)
         else:
             weight = self.dequantized()
             if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized
@@ -198,13 +204,6 @@ def quantizable(method: str, linear: nn.Module) -> bool:
     return isinstance(linear, nn.Linear) and linear.in_features % 32 == 0 and method in QUANTIZERS
 
 
-def inputs_for(layer_name: str) -> str | None:
-    """The LM head multiplies float inputs: a decode step's single row reads each of its weights once,
-    so it waits on memory either way, and its logits are what users see as logprobs. Other layers
-    follow ``PAGELLM_QUANT_ACTIVATIONS``."""
-    return "float" if layer_name == "lm_head" else None
-
-
 def quantize_linear_layers(model: nn.Module, method: str) -> int:
     """Replace every ``nn.Linear`` of ``model`` (weights loaded) whose width is whole blocks by a
     ``QuantLinear`` quantized with ``method`` (int8 or q4_0); returns how many."""
@@ -214,7 +213,7 @@ def quantize_linear_layers(model: nn.Module, method: str) -> int:
         for name, child in list(module.named_children()):
             if quantizable(method, child):
                 assert isinstance(child, nn.Linear)
-                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias, inputs_for(name)))
+                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias))
                 count += 1
     return count
 
@@ -233,6 +232,6 @@ def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, Quantiz
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if not isinstance(linear, nn.Linear) or sum(p.shape[0] for _, p in pieces) != linear.out_features:
             raise ValueError(f"quantized pieces of {name!r} do not make up its {type(linear).__name__}")
-        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias, inputs_for(child_name)))
+        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias))
         count += 1
     return count

@@ -292,7 +292,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
         if batch.logits_rows is not None:
             hidden = hidden[batch.logits_rows]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, decode_step=not batch.attn.prefills)
 
     def sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
                grammar: GrammarMask | None = None) -> ModelRunnerOutput:
