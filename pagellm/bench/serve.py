@@ -375,7 +375,10 @@ def _plan(server: str, files: ModelFiles, args: argparse.Namespace, found: Peers
     timeout = args.start_timeout or 180.0
     if server == "pagellm":
         served = args.served_model_name or str(files.path)
-        return ServerPlan(server, _pagellm_command(str(files.path), port, args), url, served, True, timeout,
+        command = _pagellm_command(str(files.path), port, args)
+        if args.served_model_name:
+            command += ["--served-model-name", served]
+        return ServerPlan(server, command, url, served, True, timeout,
                           settings={"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
                                     "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
                                     "max_num_batched_tokens": args.max_num_batched_tokens})
