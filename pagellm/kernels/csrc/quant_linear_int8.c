@@ -333,7 +333,33 @@ static inline void build_tile_q4(int type, const uint8_t *w, int64_t row_bytes, 
         memcpy(&tile[b].mn, &mn, 32);
     }
 }
+/* build_tile for Q8_0: each weight row's 32 int8 of a block are already 8 dwords, transposed as they
+ * are; the 8 scales at once. */
+static inline void build_tile_q8(const uint8_t *w, int64_t row_bytes, int64_t cols, int64_t k, tile_chunk *tile) {
+    const int bytes = block_bytes(GGML_Q8_0);
+    static const uint8_t zeros[40] = {0}; /* the rows past the weight's last */
+    const uint8_t *row[TILE_COLS];
+    int64_t step[TILE_COLS];
+    for (int i = 0; i < TILE_COLS; i++) row[i] = i < cols ? w + i * row_bytes : zeros, step[i] = i < cols ? bytes : 0;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *p[TILE_COLS];
+        u8x32 q[TILE_COLS];
+        uint16_t d16[TILE_COLS];
+        for (int i = 0; i < TILE_COLS; i++) {
+            p[i] = row[i] + b * step[i];
+            if (b % 2 == 0) __builtin_prefetch(p[i] + TILE_COLS * row_bytes);
+            memcpy(&q[i], p[i] + 2, 32);
+            memcpy(&d16[i], p[i], 2);
+        }
+        transpose_dwords(q, tile[b].w);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
+        memcpy(&tile[b].scale[0], &d, 32);
+        memcpy(&tile[b].scale[1], &d, 32);
+        memset(&tile[b].mn, 0, 32);
+    }
+}
 #endif
+
 
 /* The int32 lanes' sums of byte products, u8 weights against i8 inputs, groups of 4 (exact). */
 #if defined(__AVX2__)
@@ -426,6 +452,7 @@ static inline __attribute__((always_inline)) void tile_product(int type, const u
     const int64_t chunks = k / 32;
 #if defined(__AVX2__)
     if (type == GGML_Q4_0 || type == GGML_Q4_1) build_tile_q4(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
+    else if (type == GGML_Q8_0) build_tile_q8(w + j0 * row_bytes, row_bytes, cols, k, tile);
     else
 #endif
         build_tile(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
