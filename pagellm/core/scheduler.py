@@ -311,7 +311,8 @@ class Scheduler:
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""
         spec = self.config.speculative
-        if spec is None or not _may_speculate(seq):
+        # (A longrope model recomputes a sequence the step its length crosses the switch: one token a step.)
+        if spec is None or not _may_speculate(seq) or self.config.recompute_past_length is not None:
             return []
         limit = spec.disable_by_batch_size or SPECULATION_BATCH_LIMIT
         state = self._speculation.setdefault(seq.seq_id, SpeculationState())
