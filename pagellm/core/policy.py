@@ -16,7 +16,7 @@ so two requests can never preempt each other back and forth.
 
 from __future__ import annotations
 
-from pagellm.core.sequence import Sequence
+from pagellm.core.sequence import Request, Sequence
 
 POLICIES = ("fcfs", "priority", "sla")
 
@@ -61,3 +61,18 @@ def make_policy(name: str, default_ttft_slo: float | None = None) -> SchedulingP
     if name == "sla":
         return SLAPolicy(default_ttft_slo)
     raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {name!r}")
+
+
+def met_slos(request: Request, default_ttft: float | None, default_tpot: float | None) -> bool | None:
+    """Whether a finished ``request`` met its latency targets (its own, else the defaults); None without any."""
+    ttft_slo = request.ttft_slo if request.ttft_slo is not None else default_ttft
+    tpot_slo = request.tpot_slo if request.tpot_slo is not None else default_tpot
+    if ttft_slo is None and tpot_slo is None:
+        return None
+    m = request.metrics
+    first = m.first_token_time if m.first_token_time is not None else m.finished_time
+    assert first is not None and m.finished_time is not None
+    ttft = first - m.arrival_time
+    n_out = max(s.num_output_tokens for s in request.seqs)
+    tpot = (m.finished_time - first) / (n_out - 1) if n_out > 1 else 0.0
+    return (ttft_slo is None or ttft <= ttft_slo) and (tpot_slo is None or tpot <= tpot_slo)

@@ -32,11 +32,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.policy import SchedulingPolicy, make_policy
+from pagellm.core.policy import SchedulingPolicy, make_policy, met_slos
 from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
 from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
-from pagellm.core.speculation import SpeculationState, SpeculativeConfig, propose_ngram
+from pagellm.core.speculation import SpeculativeConfig, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,6 @@ class SchedulerConfig:
     recompute_past_length: int | None = None
     # Speculative decoding (n-gram drafts); None: off.
     speculative: SpeculativeConfig | None = None
-
-# Running sequences above which no draft is proposed when ``disable_by_batch_size`` is unset: a decode
-# step that wide is bound by the multiplies, where verifying drafts costs what they save.
-SPECULATION_BATCH_LIMIT = 8
 
 
 @dataclass
@@ -119,7 +115,7 @@ class Scheduler:
         self.held: list[Sequence] = []
         self.stats = SchedulerStats()
         self._finished_seq_ids: list[int] = []
-        self._speculation: dict[int, SpeculationState] = {}
+        self._speculator = Speculator(config.speculative, config.max_model_len) if config.speculative else None
 
     # ----------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
@@ -134,16 +130,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped or self.held)
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -310,22 +298,10 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""
-        spec = self.config.speculative
         # (A longrope model recomputes a sequence the step its length crosses the switch: one token a step.)
-        if spec is None or not _may_speculate(seq) or self.config.recompute_past_length is not None:
+        if self._speculator is None or self.config.recompute_past_length is not None:
             return []
-        limit = spec.disable_by_batch_size or SPECULATION_BATCH_LIMIT
-        state = self._speculation.setdefault(seq.seq_id, SpeculationState())
-        if len(self.running) > limit or state.paused_until > self.stats.num_steps:
-            return []
-        params = seq.params
-        room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - seq.num_tokens - 1)
-        if params.max_tokens is not None:  # (the step keeps at most drafts + 1 tokens)
-            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        if room <= 0:
-            return []
-        return propose_ngram(seq.prompt_token_ids + seq.output_token_ids, room, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max)
+        return self._speculator.propose(seq, budget, len(self.running), self.stats.num_steps)
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
         drafts = drafts or []
@@ -441,9 +417,8 @@ class Scheduler:
         self.stats.num_spec_drafts += 1
         self.stats.num_draft_tokens += drafts
         self.stats.num_accepted_tokens += accepted
-        state = self._speculation.get(seq.seq_id)
-        if state is not None:
-            state.record(drafts, accepted, self.stats.num_steps)
+        if self._speculator is not None:
+            self._speculator.record(seq, drafts, accepted, self.stats.num_steps)
 
     def _recompute_if_past_switch(self, seq: Sequence) -> None:
         """Send ``seq`` back to be computed from its first token when this token took it past
@@ -505,37 +480,18 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         self.kv_cache_manager.free(seq)
-        self._speculation.pop(seq.seq_id, None)
+        if self._speculator is not None:
+            self._speculator.forget(seq)
         self._finished_seq_ids.append(seq.seq_id)
         request = seq.request
         if request.is_finished and request.metrics.finished_time is None:
             request.metrics.finished_time = self.clock()
             if status is not SequenceStatus.FINISHED_ABORTED:
-                self._record_sla(request)
-
-    def _record_sla(self, request: Request) -> None:
-        ttft_slo = request.ttft_slo if request.ttft_slo is not None else self.config.default_ttft_slo
-        tpot_slo = request.tpot_slo if request.tpot_slo is not None else self.config.default_tpot_slo
-        if ttft_slo is None and tpot_slo is None:
-            return
-        m = request.metrics
-        first = m.first_token_time if m.first_token_time is not None else m.finished_time
-        assert first is not None and m.finished_time is not None
-        ttft = first - m.arrival_time
-        n_out = max(s.num_output_tokens for s in request.seqs)
-        tpot = (m.finished_time - first) / (n_out - 1) if n_out > 1 else 0.0
-        met = (ttft_slo is None or ttft <= ttft_slo) and (tpot_slo is None or tpot <= tpot_slo)
-        self.stats.sla_finished += 1
-        self.stats.sla_met += int(met)
+                met = met_slos(request, self.config.default_ttft_slo, self.config.default_tpot_slo)
+                if met is not None:
+                    self.stats.sla_finished += 1
+                    self.stats.sla_met += int(met)
 
     def abort_request(self, request: Request) -> None:
         for seq in request.seqs:
             self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-
-
-def _may_speculate(seq: Sequence) -> bool:
-    """Whether ``seq``'s sampling lets drafts be checked row by row: nothing that depends on the tokens
-    before each row (penalties, min_tokens' bans, a grammar) and no logit bias."""
-    p = seq.params
-    return (p.structured_outputs is None and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)

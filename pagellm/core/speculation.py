@@ -11,15 +11,23 @@ Plain Python: the scheduler proposes, and core imports no torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagellm.speculative_config import SpeculativeConfig
 
-__all__ = ["SpeculationState", "SpeculativeConfig", "propose_ngram"]
+if TYPE_CHECKING:
+    from pagellm.core.sequence import Sequence
+
+__all__ = ["SpeculationState", "SpeculativeConfig", "Speculator", "propose_ngram"]
 # How far back the proposer looks for an earlier occurrence, in tokens (the search is linear in it).
 LOOKBACK = 8192
 # Acceptance below which a sequence stops proposing for a while (accepted / proposed, over its drafts).
 MIN_ACCEPTANCE = 0.25
 # Drafts a sequence proposes before its acceptance is judged, and steps it pauses when judged low.
 JUDGE_AFTER, PAUSE_STEPS = 16, 16
+# Running sequences above which no draft is proposed when ``disable_by_batch_size`` is unset: a decode
+# step that wide is bound by the multiplies, where verifying drafts costs what they save.
+BATCH_LIMIT = 8
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -63,3 +71,44 @@ class SpeculationState:
             if self.accepted < MIN_ACCEPTANCE * self.proposed:
                 self.paused_until = step + PAUSE_STEPS
             self.proposed = self.accepted = 0
+
+
+class Speculator:
+    """The scheduler's drafts: which sequences propose in a step, how many tokens, and their acceptance."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.states: dict[int, SpeculationState] = {}
+
+    def propose(self, seq: Sequence, budget: int, num_running: int, step: int) -> list[int]:
+        """The drafts of ``seq``'s decode in a step of ``num_running`` sequences with ``budget`` tokens left."""
+        spec = self.config
+        if not may_speculate(seq) or num_running > (spec.disable_by_batch_size or BATCH_LIMIT):
+            return []
+        state = self.states.setdefault(seq.seq_id, SpeculationState())
+        if state.paused_until > step:
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:  # (the step keeps at most drafts + 1 tokens)
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(seq.prompt_token_ids + seq.output_token_ids, room, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int, step: int) -> None:
+        state = self.states.get(seq.seq_id)
+        if state is not None:
+            state.record(proposed, accepted, step)
+
+    def forget(self, seq: Sequence) -> None:
+        self.states.pop(seq.seq_id, None)
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Whether ``seq``'s sampling lets drafts be checked row by row: nothing that depends on the tokens
+    before each row (penalties, min_tokens' bans, a grammar) and no logit bias."""
+    p = seq.params
+    return (p.structured_outputs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and seq.num_output_tokens >= p.min_tokens)
