@@ -289,6 +289,30 @@ static inline __attribute__((always_inline)) void build_tile(int type, const uin
 }
 
 #if defined(__AVX2__)
+/* The blocks b of a tile's 8 weight rows for b = 0, 1, ...: p[i] = the block of row i, where rows past
+ * the weight's last (cols <= i) read a block of zeros; the next tile's rows are prefetched on the way
+ * (weights outgrow the caches). */
+typedef struct {
+    const uint8_t *row[TILE_COLS];
+    int64_t step[TILE_COLS], row_bytes;
+} tile_rows_at;
+
+static const uint8_t zero_block[64] = {0};
+
+static inline tile_rows_at tile_rows_of(const uint8_t *w, int64_t row_bytes, int64_t cols, int bytes) {
+    tile_rows_at t;
+    t.row_bytes = row_bytes;
+    for (int i = 0; i < TILE_COLS; i++) t.row[i] = i < cols ? w + i * row_bytes : zero_block, t.step[i] = i < cols ? bytes : 0;
+    return t;
+}
+
+static inline void tile_blocks(const tile_rows_at *t, int64_t b, const uint8_t *p[TILE_COLS]) {
+    for (int i = 0; i < TILE_COLS; i++) {
+        p[i] = t->row[i] + b * t->step[i];
+        if (b % 2 == 0) __builtin_prefetch(p[i] + TILE_COLS * t->row_bytes);
+    }
+}
+
 /* build_tile for Q4_0 and Q4_1, whose chunks are whole blocks: each weight row's 16 bytes of nibbles
  * (rows i and i + 4 in the halves of one vector) transposed as 4-byte groups, then split into the low
  * nibbles (elements 4t .. 4t + 3) and the high ones (16 + 4t ..); the 8 scales (and minimums) at once. */
@@ -299,16 +323,10 @@ static inline void build_tile_q4(int type, const uint8_t *w, int64_t row_bytes, 
     /* the halves d (and m) of the 8 headers: bytes 0-1 (2-3) of each 4, to qwords 0 and 2 (1 and 3) */
     const __m256i halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    static const uint8_t zeros[24] = {0}; /* the rows past the weight's last */
-    const uint8_t *row[TILE_COLS];
-    int64_t step[TILE_COLS];
-    for (int i = 0; i < TILE_COLS; i++) row[i] = i < cols ? w + i * row_bytes : zeros, step[i] = i < cols ? bytes : 0;
+    const tile_rows_at rows = tile_rows_of(w, row_bytes, cols, bytes);
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *p[TILE_COLS];
-        for (int i = 0; i < TILE_COLS; i++) p[i] = row[i] + b * step[i];
-        /* the next tile's rows, from memory while this one unpacks (weights outgrow the caches) */
-        if (b % 2 == 0)
-            for (int i = 0; i < TILE_COLS; i++) __builtin_prefetch(p[i] + TILE_COLS * row_bytes);
+        tile_blocks(&rows, b, p);
         __m256i r[4], t[4];
         for (int i = 0; i < 4; i++)
             r[i] = _mm256_loadu2_m128i((const __m128i *)(p[i + 4] + qs), (const __m128i *)(p[i] + qs));
@@ -337,17 +355,13 @@ static inline void build_tile_q4(int type, const uint8_t *w, int64_t row_bytes, 
  * are; the 8 scales at once. */
 static inline void build_tile_q8(const uint8_t *w, int64_t row_bytes, int64_t cols, int64_t k, tile_chunk *tile) {
     const int bytes = block_bytes(GGML_Q8_0);
-    static const uint8_t zeros[40] = {0}; /* the rows past the weight's last */
-    const uint8_t *row[TILE_COLS];
-    int64_t step[TILE_COLS];
-    for (int i = 0; i < TILE_COLS; i++) row[i] = i < cols ? w + i * row_bytes : zeros, step[i] = i < cols ? bytes : 0;
+    const tile_rows_at rows = tile_rows_of(w, row_bytes, cols, bytes);
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *p[TILE_COLS];
         u8x32 q[TILE_COLS];
         uint16_t d16[TILE_COLS];
+        tile_blocks(&rows, b, p);
         for (int i = 0; i < TILE_COLS; i++) {
-            p[i] = row[i] + b * step[i];
-            if (b % 2 == 0) __builtin_prefetch(p[i] + TILE_COLS * row_bytes);
             memcpy(&q[i], p[i] + 2, 32);
             memcpy(&d16[i], p[i], 2);
         }
