@@ -528,7 +528,6 @@ def check_load_generator_flags(args: argparse.Namespace) -> None:
             flags = ", ".join("--" + n.replace("_", "-") for n in given)
             raise ValueError(f"{flags}: flags of guidellm's runs; add --load-generator guidellm (or drop them)")
         return
-    gl.guidellm_command()  # installed? (a usage error naming the extra)
     if args.goodput is not None:
         raise ValueError("--goodput is measured by the built-in load generator; guidellm reports latency "
                          "percentiles instead: drop it or use --load-generator builtin")
@@ -542,6 +541,7 @@ def check_load_generator_flags(args: argparse.Namespace) -> None:
     if args.temperature != 0.0:
         raise ValueError("--temperature is the built-in load generator's; guidellm sends its own sampling "
                          "(the servers' defaults)")
+    gl.guidellm_command()  # installed? Checked after the flags, so a flag error reads the same everywhere
     if args.concurrency is None and rates == [float("inf")] and args.sweep_size is None:
         args.concurrency = [1, 8, 24, 64]
     args.duration = args.duration or 30.0

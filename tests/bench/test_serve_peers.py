@@ -119,7 +119,8 @@ def _executable(path: Path) -> Path:
     (["--load-generator", "guidellm", "--request-rate", "1", "inf"], "finite --request-rate values"),
     (["--load-generator", "guidellm", "--goodput", "ttft:100"], "--goodput is measured by the built-in"),
 ])
-def test_peer_and_guidellm_flags_are_refused_before_any_work(no_peers, tmp_path, capsys, flags, message):
+def test_peer_and_guidellm_flags_are_refused_before_any_work(no_peers, monkeypatch, tmp_path, capsys, flags, message):
+    monkeypatch.setitem(sys.modules, "guidellm", None)  # as in `make test`: the flags are judged before the install
     assert main(["bench", "serve", *WORKLOAD, *flags, "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
