@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import quant
+from pagellm.kernels.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"inputs must be one of {', '.join(ACTIVATION_MODES)}, got {self.inputs!r}")
         # This layer's own forward (prompt tokens, mixed steps, models without the one-call decoder).
         self.int8_activations = self.inputs == "int8"
+        self._multiply_16bit = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
         for s in segments:
             quant.check_quantized(s.data, s.ggml_type, self.in_features)
         self.segments = merge_segments(segments)
@@ -147,10 +149,11 @@ class QuantLinear(nn.Module):
                     quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8)
         else:
             weight = self.dequantized()
-            if rows.dtype != torch.float32:  # a 16-bit model multiplies in its dtype, as it would unquantized
+            if rows.dtype != torch.float32 and self._multiply_16bit:
+                # a 16-bit model multiplies in its dtype, as it would unquantized, where the CPU computes it
                 out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
-            else:
-                out = F.linear(rows, weight, self.bias)
+            else:  # (elsewhere PyTorch emulates 16-bit products, many times slower than float32's)
+                out = F.linear(rows.float(), weight, self.bias)
         dtype = out_dtype or x.dtype
         return (out if out.dtype == dtype else out.to(dtype)).view(*lead, self.out_features)
 

@@ -458,29 +458,177 @@ static inline __attribute__((always_inline)) void tile_rows(int type, int rows, 
     for (int r = 0; r < rows; r++) out[r] = acc[r];
 }
 
-/* One tile (weight rows j0 .. j0 + cols - 1) against all m input rows, TILE_ROWS at a time. */
-static inline __attribute__((always_inline)) void tile_product(int type, const uint8_t *w, int64_t row_bytes,
-                                                               int64_t j0, int64_t cols, int64_t k, int64_t m,
-                                                               const quantized_rows *x, tile_chunk *tile,
-                                                               const float *bias, float *y, int64_t y_step) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+#define TILE_ROWS4_AVX2 1
+/* tile_rows for 4 rows with AVX2's maddubs, written out so that the 4 rows' int16 sums stay in
+ * registers (the generic loop's arrays of vectors spill). The integer sums are exact and the float
+ * operations are tile_rows' own, in its order: the results are the same to the bit. */
+static inline __attribute__((always_inline)) void tile_rows4_avx2(int type, const tile_chunk *tile, int64_t k,
+                                                                  const int8_t *xq, const float *dx,
+                                                                  const float *xs, f32x8 out[TILE_ROWS]) {
+    const int group = int16_group(type), halves = scale_halves(type), sign = tile_signed(type);
     const int64_t chunks = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t at = 0; at < chunks; at++) {
+        const tile_chunk *c = &tile[at];
+        const int8_t *x = xq + 32 * at;
+        __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+        for (int g = 0; g < 8; g += group) {
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+            for (int t = g; t < g + group; t++) {
+                __m256i w = as_m256i(c->w[t]);
+                int32_t x4[4];
+                memcpy(&x4[0], x + 4 * t, 4), memcpy(&x4[1], x + k + 4 * t, 4);
+                memcpy(&x4[2], x + 2 * k + 4 * t, 4), memcpy(&x4[3], x + 3 * k + 4 * t, 4);
+                __m256i b0 = _mm256_set1_epi32(x4[0]), b1 = _mm256_set1_epi32(x4[1]);
+                __m256i b2 = _mm256_set1_epi32(x4[2]), b3 = _mm256_set1_epi32(x4[3]);
+                if (sign) {
+                    b0 = _mm256_sign_epi8(b0, w), b1 = _mm256_sign_epi8(b1, w);
+                    b2 = _mm256_sign_epi8(b2, w), b3 = _mm256_sign_epi8(b3, w);
+                    w = _mm256_abs_epi8(w);
+                }
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w, b0));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w, b1));
+                s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w, b2));
+                s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(w, b3));
+                /* kept as running sums: reassociated into trees, they would outgrow the registers */
+                __asm__("" : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3));
+            }
+            s0 = _mm256_madd_epi16(s0, ones), s1 = _mm256_madd_epi16(s1, ones);
+            s2 = _mm256_madd_epi16(s2, ones), s3 = _mm256_madd_epi16(s3, ones);
+            if (halves && g >= 4) {
+                h0 = _mm256_add_epi32(h0, s0), h1 = _mm256_add_epi32(h1, s1);
+                h2 = _mm256_add_epi32(h2, s2), h3 = _mm256_add_epi32(h3, s3);
+            } else {
+                l0 = _mm256_add_epi32(l0, s0), l1 = _mm256_add_epi32(l1, s1);
+                l2 = _mm256_add_epi32(l2, s2), l3 = _mm256_add_epi32(l3, s3);
+            }
+        }
+        __m256 sc, mn;
+        memcpy(&sc, &c->scale[0], 32);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), _mm256_mul_ps(sc, _mm256_set1_ps(dx[at])), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), _mm256_mul_ps(sc, _mm256_set1_ps(dx[chunks + at])), a1);
+        a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l2), _mm256_mul_ps(sc, _mm256_set1_ps(dx[2 * chunks + at])), a2);
+        a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l3), _mm256_mul_ps(sc, _mm256_set1_ps(dx[3 * chunks + at])), a3);
+        if (halves) {
+            memcpy(&sc, &c->scale[1], 32);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h0), _mm256_mul_ps(sc, _mm256_set1_ps(dx[at])), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h1), _mm256_mul_ps(sc, _mm256_set1_ps(dx[chunks + at])), a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h2), _mm256_mul_ps(sc, _mm256_set1_ps(dx[2 * chunks + at])), a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h3), _mm256_mul_ps(sc, _mm256_set1_ps(dx[3 * chunks + at])), a3);
+        }
+        if (!sign) {
+            memcpy(&mn, &c->mn, 32);
+            a0 = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[at]), a0);
+            a1 = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[chunks + at]), a1);
+            a2 = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[2 * chunks + at]), a2);
+            a3 = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[3 * chunks + at]), a3);
+        }
+    }
+    memcpy(&out[0], &a0, 32), memcpy(&out[1], &a1, 32), memcpy(&out[2], &a2, 32), memcpy(&out[3], &a3, 32);
+}
+#endif
+
+#if defined(TILE_ROWS4_AVX2)
+/* Whether two tiles go through tile_rows4x2_avx2: the 4-bit formats whose chunk sums fit int16 whole. */
+static inline int tile_pairs(int type) { return int16_group(type) == 8; }
+
+/* tile_rows4_avx2 for two tiles at once (16 outputs), for tile_pairs' formats: each input vector
+ * serves both tiles, halving the reads of the input rows. Each output's operations are still
+ * tile_rows' own, in its order. */
+static inline __attribute__((always_inline)) void tile_rows4x2_avx2(int type, const tile_chunk *ta,
+                                                                    const tile_chunk *tb, int64_t k,
+                                                                    const int8_t *xq, const float *dx,
+                                                                    const float *xs, f32x8 oa[TILE_ROWS],
+                                                                    f32x8 ob[TILE_ROWS]) {
+    const int64_t chunks = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][4];
+    for (int i = 0; i < 4; i++) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+    for (int64_t at = 0; at < chunks; at++) {
+        const tile_chunk *ca = &ta[at], *cb = &tb[at];
+        const int8_t *x = xq + 32 * at;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, u0 = s0, u1 = s0, u2 = s0, u3 = s0;
+        for (int t = 0; t < 8; t++) {
+            const __m256i wa = as_m256i(ca->w[t]), wb = as_m256i(cb->w[t]);
+            int32_t x4[4];
+            memcpy(&x4[0], x + 4 * t, 4), memcpy(&x4[1], x + k + 4 * t, 4);
+            memcpy(&x4[2], x + 2 * k + 4 * t, 4), memcpy(&x4[3], x + 3 * k + 4 * t, 4);
+            __m256i b = _mm256_set1_epi32(x4[0]);
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wa, b)), u0 = _mm256_add_epi16(u0, _mm256_maddubs_epi16(wb, b));
+            b = _mm256_set1_epi32(x4[1]);
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(wa, b)), u1 = _mm256_add_epi16(u1, _mm256_maddubs_epi16(wb, b));
+            b = _mm256_set1_epi32(x4[2]);
+            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(wa, b)), u2 = _mm256_add_epi16(u2, _mm256_maddubs_epi16(wb, b));
+            b = _mm256_set1_epi32(x4[3]);
+            s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(wa, b)), u3 = _mm256_add_epi16(u3, _mm256_maddubs_epi16(wb, b));
+            __asm__("" : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3), "+x"(u0), "+x"(u1), "+x"(u2), "+x"(u3));
+        }
+        const __m256i sums[2][4] = {{s0, s1, s2, s3}, {u0, u1, u2, u3}};
+        const tile_chunk *cs[2] = {ca, cb};
+        for (int j = 0; j < 2; j++) {
+            __m256 sc, mn;
+            memcpy(&sc, &cs[j]->scale[0], 32), memcpy(&mn, &cs[j]->mn, 32);
+            for (int r = 0; r < 4; r++) {
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[j][r], ones));
+                acc[j][r] = _mm256_fmadd_ps(lo, _mm256_mul_ps(sc, _mm256_set1_ps(dx[r * chunks + at])), acc[j][r]);
+                acc[j][r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r * chunks + at]), acc[j][r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) memcpy(&oa[r], &acc[0][r], 32), memcpy(&ob[r], &acc[1][r], 32);
+}
+#endif
+
+static inline __attribute__((always_inline)) void build_any_tile(int type, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t cols, int64_t k, tile_chunk *tile) {
 #if defined(__AVX2__)
-    if (type == GGML_Q4_0 || type == GGML_Q4_1) build_tile_q4(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
-    else if (type == GGML_Q8_0) build_tile_q8(w + j0 * row_bytes, row_bytes, cols, k, tile);
+    if (type == GGML_Q4_0 || type == GGML_Q4_1) build_tile_q4(type, w, row_bytes, cols, k, tile);
+    else if (type == GGML_Q8_0) build_tile_q8(w, row_bytes, cols, k, tile);
     else
 #endif
-        build_tile(type, w + j0 * row_bytes, row_bytes, cols, k, tile);
+        build_tile(type, w, row_bytes, cols, k, tile);
+}
+
+#define SPAN_TILES 2 /* tiles that a thread builds at once and applies to the input rows together */
+
+/* Weight rows j0 .. j0 + cols - 1 (cols <= SPAN_TILES * TILE_COLS: one or two tiles, built into
+ * tiles[0 ..]) against all m input rows, TILE_ROWS at a time. */
+static inline __attribute__((always_inline)) void tile_product(int type, const uint8_t *w, int64_t row_bytes,
+                                                               int64_t j0, int64_t cols, int64_t k, int64_t m,
+                                                               const quantized_rows *x, tile_chunk *tiles,
+                                                               const float *bias, float *y, int64_t y_step) {
+    const int64_t chunks = k / 32;
+    const int ntiles = cols > TILE_COLS ? 2 : 1;
+    for (int i = 0; i < ntiles; i++) {
+        const int64_t first = j0 + i * TILE_COLS, n_i = i == 0 && ntiles == 2 ? TILE_COLS : cols - i * TILE_COLS;
+        build_any_tile(type, w + first * row_bytes, row_bytes, n_i, k, tiles + i * chunks);
+    }
     for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
         const int rows = m - r0 < TILE_ROWS ? (int)(m - r0) : TILE_ROWS;
         const int8_t *xq = x->xq + r0 * k;
         const float *dx = x->dx + r0 * chunks, *xs = x->xs + r0 * chunks;
-        f32x8 out[TILE_ROWS];
-        if (rows == 4) tile_rows(type, 4, tile, k, xq, dx, xs, out);
-        else if (rows == 3) tile_rows(type, 3, tile, k, xq, dx, xs, out);
-        else if (rows == 2) tile_rows(type, 2, tile, k, xq, dx, xs, out);
-        else tile_rows(type, 1, tile, k, xq, dx, xs, out);
+        f32x8 out[SPAN_TILES][TILE_ROWS];
+#if defined(TILE_ROWS4_AVX2)
+        if (rows == 4 && ntiles == 2 && tile_pairs(type)) {
+            tile_rows4x2_avx2(type, tiles, tiles + chunks, k, xq, dx, xs, out[0], out[1]);
+        } else
+#endif
+        for (int i = 0; i < ntiles; i++) {
+            const tile_chunk *tile = tiles + i * chunks;
+#if defined(TILE_ROWS4_AVX2)
+            if (rows == 4) tile_rows4_avx2(type, tile, k, xq, dx, xs, out[i]);
+#else
+            if (rows == 4) tile_rows(type, 4, tile, k, xq, dx, xs, out[i]);
+#endif
+            else if (rows == 3) tile_rows(type, 3, tile, k, xq, dx, xs, out[i]);
+            else if (rows == 2) tile_rows(type, 2, tile, k, xq, dx, xs, out[i]);
+            else tile_rows(type, 1, tile, k, xq, dx, xs, out[i]);
+        }
         for (int r = 0; r < rows; r++)
-            for (int i = 0; i < cols; i++) y[(r0 + r) * y_step + j0 + i] = out[r][i] + (bias != NULL ? bias[j0 + i] : 0.0f);
+            for (int64_t c = 0; c < cols; c++)
+                y[(r0 + r) * y_step + j0 + c] = out[c / TILE_COLS][r][c % TILE_COLS] + (bias != NULL ? bias[j0 + c] : 0.0f);
     }
 }
 
@@ -491,11 +639,11 @@ int pagellm_quant_linear_int8(const void *x_in, int64_t x_stride, int x_dtype, i
     const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
     if (row_bytes == 0) return -1;
     const int threads = num_threads < 1 ? 1 : num_threads;
-    const int64_t chunks = k / 32, tiles = (n + TILE_COLS - 1) / TILE_COLS;
-    /* one allocation: a tile per thread (32-byte aligned, first), the float32 input row being quantized,
+    const int64_t chunks = k / 32, span = SPAN_TILES * TILE_COLS, spans = (n + span - 1) / span;
+    /* one allocation: SPAN_TILES tiles per thread (32-byte aligned, first), the float32 input row being quantized,
      * xq, dx, xs, and a float32 output if staged */
     const int staged = y_dtype != PAGELLM_F32;
-    const size_t tile_bytes = (size_t)chunks * sizeof(tile_chunk);
+    const size_t tile_bytes = (size_t)SPAN_TILES * chunks * sizeof(tile_chunk);
     char *work = malloc(threads * tile_bytes + (size_t)(k * 4 + m * k + (m * chunks * 2) * 4 + (staged ? m * n * 4 : 0))
                         + 128);
     if (work == NULL) return -2;
@@ -514,8 +662,8 @@ int pagellm_quant_linear_int8(const void *x_in, int64_t x_stride, int x_dtype, i
     {
         tile_chunk *tile = (tile_chunk *)((char *)tiles_at + omp_get_thread_num() * tile_bytes);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t j0 = t * TILE_COLS, cols = n - j0 < TILE_COLS ? n - j0 : TILE_COLS;
+        for (int64_t t = 0; t < spans; t++) {
+            const int64_t j0 = t * span, cols = n - j0 < span ? n - j0 : span;
 #define TILE_CASE(TYPE) \
     case TYPE: tile_product(TYPE, w, row_bytes, j0, cols, k, m, &x, tile, bias, y, y_step); break;
             switch (type) {
