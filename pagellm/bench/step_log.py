@@ -50,13 +50,15 @@ class StepLog:
         """After the model ran ``scheduler_output`` (before the scheduler's update): the batch's shape."""
         decodes = [it for it in scheduler_output.scheduled if it.num_new_tokens == 1]
         context = sum(it.start + 1 for it in decodes)
+        states = engine.model_runner.requests  # (the block tables as the runner ran them)
+        tables = [states[it.seq_id].block_table for it in decodes]
         # Shared blocks are whole blocks (only full blocks are cached and shared; a forked sequence
         # copies its last block before writing to it). Tables that share a block share their first
         # one too (cached prefixes chain from the first block, forks start as their parent): with
         # every first block distinct, nothing repeats.
         repeats = 0
-        if len({it.block_table[0] for it in decodes if it.block_table}) < len(decodes):
-            repeats = sum(len(it.block_table) for it in decodes) - len({b for it in decodes for b in it.block_table})
+        if len({table[0] for table in tables if table}) < len(decodes):
+            repeats = sum(len(table) for table in tables) - len({b for table in tables for b in table})
         self.records.append(StepRecord(
             seconds=seconds,
             num_decode_seqs=len(decodes),

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock, hash_block_key
-from pagellm.core.sched_output import BlockMoves
+from pagellm.core.sched_output import OUT_OF_WINDOW_ID, BlockMoves
 from pagellm.core.sequence import Sequence
 
 
@@ -55,7 +55,7 @@ class KVCacheStats:
 
 # Stands in a block table for a block that fell out of the attention window and went back to the pool:
 # the table keeps its logical positions, and the id (0) is one the kernels may read but never use.
-OUT_OF_WINDOW = KVBlock(0)
+OUT_OF_WINDOW = KVBlock(OUT_OF_WINDOW_ID)
 
 
 def is_held(block: KVBlock) -> bool:

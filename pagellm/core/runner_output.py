@@ -25,3 +25,6 @@ class ModelRunnerOutput:
     # seq_id -> logprobs of the prompt tokens at the positions asked for in this step
     # (``ScheduledSeq.prompt_logprobs_range``); read by the engine's output processor only.
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # seq_id -> why its output can no longer satisfy its constraint (its grammar dead-ended this step):
+    # the scheduler ends it with finish_reason "error".
+    constraint_errors: dict[int, str] = field(default_factory=dict)

@@ -1,33 +1,104 @@
-"""What the scheduler hands the model runner each step (as vLLM's ``v1/core/sched/output.py``)."""
+"""What the scheduler hands the model runner each step: plain data, as vLLM's ``v1/core/sched/output.py``.
+
+The runner keeps its own state per sequence (``worker/request_state.py``), built from these messages:
+a sequence it does not hold comes in full once (``NewSeqData``: its prompt, the tokens generated so
+far, its sampling parameters and block tables); after that, a step carries only what changed in it
+(``CachedSeqData``: the tokens appended since, e.g. the one sampled last step, and each block table's
+edit). ``ScheduledSeq`` says what the step computes of each sequence; finished and preempted ids tell
+the runner what to drop (a preempted sequence comes back as new). No core ``Sequence`` crosses here:
+the tensor-parallel workers receive the same data (``distributed/step_message.py``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagellm.core.sequence import Sequence
+if TYPE_CHECKING:  # (a light module: no torch either way)
+    from pagellm.sampling_params import SamplingParams
 
 # One KV cache group's block moves of a step: (swap out, swap in, copy), each a list of (src, dst).
 BlockMoves = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
+
+# The block id of a table entry whose block fell out of the attention window (kv_cache_manager's
+# OUT_OF_WINDOW): the kernels may read it but never use it.
+OUT_OF_WINDOW_ID = 0
+
+
+@dataclass
+class TableEdit:
+    """How one block table changed since the runner last saw it: entries ``[dead_from, dead_to)`` became
+    the out-of-window stand-in, then the table was cut to its first ``keep`` entries and ``block_ids``
+    appended (a new block; the block the next token goes into, copied on write; or, with ``keep`` 0,
+    a table the KV cache manager replaced)."""
+
+    keep: int
+    block_ids: list[int]
+    dead_from: int = 0
+    dead_to: int = 0
+
+
+def apply_table_edit(table: list[int], edit: TableEdit) -> None:
+    """Bring ``table`` (block ids) up to date with ``edit``, in place."""
+    for i in range(edit.dead_from, min(edit.dead_to, edit.keep)):
+        table[i] = OUT_OF_WINDOW_ID
+    del table[edit.keep:]
+    table.extend(edit.block_ids)
+
+
+@dataclass
+class NewSeqData:
+    """A sequence the runner does not hold (first scheduled, or back after a preemption): all it reads."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    # Tokens generated so far (none for a fresh sequence; a preempted one keeps its own).
+    output_token_ids: list[int]
+    # None in a tensor-parallel worker's copy of the step: it never samples.
+    sampling_params: SamplingParams | None
+    seed: int | None
+    block_table: list[int]
+    # Models with several KV cache groups (Gemma: sliding and full-attention layers): the block tables
+    # of groups 1, 2, ... (``block_table`` is group 0's); empty with one group.
+    group_block_tables: tuple[list[int], ...] = ()
+
+
+@dataclass
+class CachedSeqData:
+    """What changed in a sequence the runner holds since it was last told (sent only where something did)."""
+
+    seq_id: int
+    # Tokens appended to the sequence since: the one sampled last step, the drafts it kept.
+    new_token_ids: list[int] = field(default_factory=list)
+    block_edit: TableEdit | None = None
+    # Groups 1, 2, ...: each table's edit (None: unchanged); empty with one group.
+    group_block_edits: tuple[TableEdit | None, ...] = ()
+
+
+@dataclass
+class ForkedSeq:
+    """An ``n > 1`` child that forks from its parent once the prompt is done: it starts as a copy of the
+    parent's state (tokens, sampling parameters) with its own seed, and its block tables come with its
+    first step."""
+
+    seq_id: int
+    seed: int | None  # None in a tensor-parallel worker's copy
 
 
 @dataclass
 class ScheduledSeq:
     """One sequence's share of a step: tokens ``[start, start + num_new_tokens)``."""
 
-    seq: Sequence
+    seq_id: int
     start: int
     num_new_tokens: int
-    block_table: list[int]
     # True when this step reaches the sequence's last token, so it yields a new token.
     sample: bool
     # Prompt positions in this chunk whose next-token logprob is wanted: [from, to).
     prompt_logprobs_range: tuple[int, int] | None = None
     # n > 1: children that fork from this sequence once its prompt is done; each samples its
     # own first token from the same logits.
-    fork_children: list[Sequence] = field(default_factory=list)
-    # Models with several KV cache groups (Gemma: sliding and full-attention layers): the block tables
-    # of groups 1, 2, ... (``block_table`` is group 0's); empty with one group.
-    group_block_tables: tuple[list[int], ...] = ()
+    fork_children: list[ForkedSeq] = field(default_factory=list)
     # Speculative decoding: draft tokens computed after the sequence's last token in this step
     # (positions start + 1, ...); num_new_tokens counts them. The worker keeps those its sampling agrees with.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -36,8 +107,12 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # What the runner learns this step, applied before it computes anything (``RequestStates.apply``).
+    new_seqs: list[NewSeqData] = field(default_factory=list)
+    cached_seqs: list[CachedSeqData] = field(default_factory=list)
     num_batched_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
+    # Preempted this step: the runner drops their state (they come back as new).
+    preempted_seq_ids: list[int] = field(default_factory=list)
     # Sequences finished since the last step: the worker drops their per-sequence state.
     finished_seq_ids: list[int] = field(default_factory=list)
     # Block moves the worker runs before the forward pass, in this order:
@@ -54,3 +129,11 @@ class SchedulerOutput:
         """Nothing to compute and no block to move."""
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
                     or any(any(moves) for moves in self.group_block_moves))
+
+    def withdraw(self, seq_id: int) -> ScheduledSeq:
+        """Take a sequence's entry, and what it told the runner, out of this step (it is preempted next)."""
+        entry = next(e for e in self.scheduled if e.seq_id == seq_id)
+        self.scheduled.remove(entry)
+        self.new_seqs = [d for d in self.new_seqs if d.seq_id != seq_id]
+        self.cached_seqs = [d for d in self.cached_seqs if d.seq_id != seq_id]
+        return entry

@@ -20,7 +20,7 @@ sequence keeps the tokens it generated.
 
 With several KV cache groups (``kv_groups.py``: Gemma's sliding and full-attention layers), the
 KV cache manager answers for all of them at once: a sequence gets its blocks, is admitted or swapped
-in only when every group has room, and each scheduled entry carries every group's block table.
+in only when every group has room, and the runner is told every group's block table (``runner_view.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy, met_slos
 from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
-from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
+from pagellm.core.runner_view import RunnerView
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
 from pagellm.core.speculation import SpeculativeConfig, Speculator
 
@@ -114,13 +115,18 @@ class Scheduler:
         # Sequences held out of scheduling, in their state, while others run alone (step_isolation.py).
         self.held: list[Sequence] = []
         self.stats = SchedulerStats()
+        # Every sequence of the requests added, by id, until the schedule after it finished.
+        self.seqs_by_id: dict[int, Sequence] = {}
         self._finished_seq_ids: list[int] = []
+        # What the model runner holds of each sequence: a step's output says only what changed.
+        self.runner_view = RunnerView(kv_cache_manager)
         self._speculator = Speculator(config.speculative, config.max_model_len) if config.speculative else None
 
     # ----------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
         # Only the first sequence runs the prompt; its n - 1 siblings fork from it afterwards.
         request.seqs[0].status = SequenceStatus.WAITING
+        self.seqs_by_id.update((s.seq_id, s) for s in request.seqs)
         self._enqueue(self.waiting, request.seqs[0])
 
     def _enqueue(self, queue: list[Sequence], seq: Sequence) -> None:
@@ -138,6 +144,8 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
+        for seq_id in out.finished_seq_ids:
+            self.seqs_by_id.pop(seq_id, None)
         budget = cfg.max_num_batched_tokens
         chunk_cap = cfg.prefill_chunk_size or budget
 
@@ -174,7 +182,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # it preempted itself; running[i] is now the next one
-            out.scheduled.append(self._scheduled(seq, num_new, drafts))
+            self._scheduled(seq, num_new, out, drafts)
             budget -= num_new
             i += 1
 
@@ -196,8 +204,7 @@ class Scheduler:
 
     def _withdraw(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Take ``seq``'s entry out of this step's schedule; returns the tokens it had."""
-        entry = next(e for e in out.scheduled if e.seq is seq)
-        out.scheduled.remove(entry)
+        entry = out.withdraw(seq.seq_id)
         if not entry.sample:
             self.stats.num_partial_prefills -= 1
         return entry.num_new_tokens
@@ -248,7 +255,7 @@ class Scheduler:
             times = seq.request.metrics
             if times.first_scheduled_time is None:
                 times.first_scheduled_time = self.clock()
-            out.scheduled.append(self._scheduled(seq, num_new))
+            self._scheduled(seq, num_new, out)
             budget -= num_new
         return budget
 
@@ -303,34 +310,9 @@ class Scheduler:
             return []
         return self._speculator.propose(seq, budget, len(self.running), self.stats.num_steps)
 
-    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
-        drafts = drafts or []
-        start = seq.num_computed_tokens
-        end = start + num_new - len(drafts)
-        lp_range = None
-        request = seq.request
-        # Prompt logprobs come from the first sequence, once: a recompute skips them.
-        if request.wants_prompt_logprobs and seq.index == 0:
-            # Position p's logits score prompt token p + 1; positions below the watermark are done.
-            lo = max(start, request.num_scored_prompt_tokens)
-            hi = min(end, seq.num_prompt_tokens - 1)
-            if hi > lo:
-                lp_range = (lo, hi)
-        sample = end == seq.num_tokens
-        if not sample:
+    def _scheduled(self, seq: Sequence, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
+        if not self.runner_view.schedule(seq, num_new, drafts or [], out).sample:
             self.stats.num_partial_prefills += 1
-        kv = self.kv_cache_manager
-        return ScheduledSeq(
-            seq=seq,
-            start=start,
-            num_new_tokens=num_new,
-            block_table=kv.block_table(seq),
-            sample=sample,
-            prompt_logprobs_range=lp_range,
-            fork_children=list(request.pending_children) if sample and seq.index == 0 else [],
-            group_block_tables=tuple(g.block_table(seq) for g in kv.extra_groups) if kv.extra_groups else (),
-            draft_token_ids=drafts,
-        )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap ``seq`` out to the CPU pool, or free its blocks for a later recompute."""
@@ -354,7 +336,8 @@ class Scheduler:
             detail = f"mode=recompute blocks_freed={freed} tokens_to_recompute={seq.num_tokens}"
         seq.request.metrics.num_preemptions += 1
         self.stats.num_preemptions += 1
-        out.preempted.append(seq)
+        self.runner_view.forget(seq.seq_id)
+        out.preempted_seq_ids.append(seq.seq_id)
         logger.info(
             "preempt request_id=%s seq_id=%d %s kv_usage_before=%.3f kv_usage_after=%.3f",
             seq.request.request_id, seq.seq_id, detail, usage_before, self.kv_cache_manager.usage,
@@ -368,8 +351,11 @@ class Scheduler:
         """
         touched: list[Sequence] = []
         now = None
+        seqs = self.seqs_by_id
+        for seq_id, why in result.constraint_errors.items():  # read by the stop check
+            seqs[seq_id].constraint_error = why
         for item in out.scheduled:
-            seq = item.seq
+            seq = seqs[item.seq_id]
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             drafts = len(item.draft_token_ids)
@@ -380,9 +366,10 @@ class Scheduler:
                 seq.request.num_scored_prompt_tokens = item.prompt_logprobs_range[1]
             if not item.sample:
                 continue
-            for child in item.fork_children:  # before the parent may finish and free its blocks
+            children = [seqs[c.seq_id] for c in item.fork_children]
+            for child in children:  # before the parent may finish and free its blocks
                 self._fork(seq, child)
-            for s in (seq, *item.fork_children):
+            for s in (seq, *children):
                 sample = result.samples[s.seq_id]
                 self._append(s, sample)
                 times = s.request.metrics
@@ -482,6 +469,7 @@ class Scheduler:
         self.kv_cache_manager.free(seq)
         if self._speculator is not None:
             self._speculator.forget(seq)
+        self.runner_view.forget(seq.seq_id)
         self._finished_seq_ids.append(seq.seq_id)
         request = seq.request
         if request.is_finished and request.metrics.finished_time is None:

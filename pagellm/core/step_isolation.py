@@ -24,6 +24,7 @@ def reset(scheduler: Scheduler, request: Request) -> None:
             if seq in queue:
                 queue.remove(seq)
         scheduler.kv_cache_manager.free(seq)
+        scheduler.runner_view.forget(seq.seq_id)  # the failed step may not have reached the runner: sent whole
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         scheduler.waiting.append(seq)

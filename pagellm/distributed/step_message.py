@@ -1,72 +1,86 @@
 """One engine step as the tensor-parallel workers receive it: two int64 tensors, not Python objects.
 
-The driver (rank 0) broadcasts a header, then a payload. The header is
-``[command, num_items, payload_len, num_swap_out, num_swap_in, num_copy, num_extra_groups]``; the
-payload holds each scheduled sequence's chunk as ``[start, num_new, seq_len, sample, lp_from, lp_to,
-num_children, table_len, *block_table, *token_ids]`` (``lp_from = -1``: no prompt logprobs) followed,
-for each KV cache group after the first (Gemma's sliding layers), by ``[table_len, *block_table]``;
-then the block moves as flat (src, dst) pairs, and each further group's as ``[num_swap_out,
-num_swap_in, num_copy, *pairs]``. A worker turns it back into ``ScheduledSeq`` entries over stand-in
-sequences that hold just the tokens of the chunk: what the model runner's ``prepare`` reads.
+The driver (rank 0) broadcasts a header ``[command, payload_len]``, then the payload: the step's
+``SchedulerOutput`` (core/sched_output.py) field by field, each list preceded by its length:
+
+- ``num_extra_groups`` (KV cache groups after the first), ``num_batched_tokens``;
+- the finished and the preempted sequence ids;
+- each new sequence: ``seq_id``, its prompt, its output tokens, its block table, then each further
+  group's table;
+- each cached sequence's changes: ``seq_id``, its new tokens, then for each group its table edit
+  (``-1``: none; else ``keep, dead_from, dead_to`` and the block ids appended);
+- each scheduled chunk: ``seq_id, start, num_new_tokens, sample, lp_from, lp_to`` (``-1, -1``: no
+  prompt logprobs), its forked children's ids, its draft tokens;
+- the block moves as (src, dst) pairs, swap out, swap in and copy, then each further group's three.
+
+So a sequence's prompt travels once, when it is new, and a decode costs a few numbers. A worker
+decodes the same plain data, but for what only rank 0 reads to sample: new sequences' sampling
+parameters and seeds, and forked children's seeds, are None there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
+from pagellm.core.sched_output import CachedSeqData, ForkedSeq, NewSeqData, ScheduledSeq, SchedulerOutput, TableEdit
 
 STEP, STOP = 1, 0
-HEADER_LEN = 7
+HEADER_LEN = 2
+NONE = -1
 
 
-class _ZeroTokens:
-    """Prompt token ids a worker never reads (they are the targets of logprobs rank 0 computes)."""
-
-    def __getitem__(self, index: int) -> int:
-        return 0
+def _put_list(payload: list[int], values: list[int]) -> None:
+    payload.append(len(values))
+    payload += values
 
 
-@dataclass
-class ChunkTokens:
-    """Stand-in for a ``Sequence`` on a worker: the tokens of one scheduled chunk and the length."""
+def _put_edit(payload: list[int], edit: TableEdit | None) -> None:
+    if edit is None:
+        payload.append(NONE)
+        return
+    payload += [edit.keep, edit.dead_from, edit.dead_to, len(edit.block_ids)]
+    payload += edit.block_ids
 
-    start: int
-    tokens: list[int]
-    num_tokens: int
-    seq_id: int = -1
-    prompt_token_ids: _ZeroTokens = field(default_factory=_ZeroTokens)
 
-    def token_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start - self.start : end - self.start]
+def _put_pairs(payload: list[int], pairs: list[tuple[int, int]]) -> None:
+    payload.append(len(pairs))
+    for src, dst in pairs:
+        payload += [src, dst]
 
 
 def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a step for the workers."""
-    payload: list[int] = []
-    num_extra = len(out.scheduled[0].group_block_tables) if out.scheduled else len(out.group_block_moves)
+    """(header, payload) of a step for the workers. With several KV cache groups, ``group_block_moves``
+    has an entry for each further group (the scheduler fills it every step), and so do the tables
+    and edits of every sequence."""
+    num_extra = len(out.group_block_moves)
+    payload: list[int] = [num_extra, out.num_batched_tokens]
+    _put_list(payload, out.finished_seq_ids)
+    _put_list(payload, out.preempted_seq_ids)
+    payload.append(len(out.new_seqs))
+    for new in out.new_seqs:
+        payload.append(new.seq_id)
+        _put_list(payload, new.prompt_token_ids)
+        _put_list(payload, new.output_token_ids)
+        _put_list(payload, new.block_table)
+        for table in new.group_block_tables:
+            _put_list(payload, table)
+    payload.append(len(out.cached_seqs))
+    for cached in out.cached_seqs:
+        payload.append(cached.seq_id)
+        _put_list(payload, cached.new_token_ids)
+        _put_edit(payload, cached.block_edit)
+        for edit in cached.group_block_edits:
+            _put_edit(payload, edit)
+    payload.append(len(out.scheduled))
     for it in out.scheduled:
-        lp = it.prompt_logprobs_range or (-1, -1)
-        payload += [it.start, it.num_new_tokens, it.seq.num_tokens, int(it.sample), lp[0], lp[1],
-                    len(it.fork_children), len(it.block_table)]
-        payload += it.block_table
-        payload += it.seq.token_slice(it.start, it.start + it.num_new_tokens)
-        for table in it.group_block_tables:
-            payload.append(len(table))
-            payload += table
-    moves = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-    for pairs in moves:
-        for src, dst in pairs:
-            payload += [src, dst]
-    group_moves = out.group_block_moves or [([], [], [])] * num_extra
-    for group in group_moves:
-        payload += [len(p) for p in group]
-        for pairs in group:
-            for src, dst in pairs:
-                payload += [src, dst]
-    header = [STEP, len(out.scheduled), len(payload), *(len(p) for p in moves), num_extra]
+        lp = it.prompt_logprobs_range or (NONE, NONE)
+        payload += [it.seq_id, it.start, it.num_new_tokens, int(it.sample), lp[0], lp[1]]
+        _put_list(payload, [child.seq_id for child in it.fork_children])
+        _put_list(payload, it.draft_token_ids)
+    for moves in ((out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy), *out.group_block_moves):
+        for pairs in moves:
+            _put_pairs(payload, pairs)
+    header = [STEP, len(payload)]
     return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
 
 
@@ -74,41 +88,53 @@ def stop_header() -> torch.Tensor:
     return torch.tensor([STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
 
 
-def decode_step(header: torch.Tensor, payload: torch.Tensor) -> SchedulerOutput:
-    """The worker's view of the step ``encode_step`` made."""
-    _, num_items, _, n_out, n_in, n_copy, num_extra = header.tolist()
-    values = payload.tolist()
-    at = 0
-    out = SchedulerOutput()
-    for _ in range(num_items):
-        start, num_new, seq_len, sample, lp_from, lp_to, num_children, table_len = values[at : at + 8]
-        at += 8
-        table = values[at : at + table_len]
-        at += table_len
-        tokens = values[at : at + num_new]
-        at += num_new
-        group_tables = []
-        for _ in range(num_extra):
-            n = values[at]
-            group_tables.append(values[at + 1 : at + 1 + n])
-            at += 1 + n
-        seq = ChunkTokens(start, tokens, seq_len)
-        out.scheduled.append(ScheduledSeq(
-            seq, start, num_new, table, bool(sample),  # type: ignore[arg-type]
-            prompt_logprobs_range=None if lp_from < 0 else (lp_from, lp_to),
-            fork_children=[seq] * num_children,  # type: ignore[list-item]
-            group_block_tables=tuple(group_tables),
-        ))
+class _Reader:
+    """Reads a payload's integers in order."""
 
-    def pairs(n: int) -> list[tuple[int, int]]:
-        nonlocal at
-        got = [(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(n)]
-        at += 2 * n
-        return got
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+        self.at = 0
 
-    out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = pairs(n_out), pairs(n_in), pairs(n_copy)
-    for _ in range(num_extra):
-        g_out, g_in, g_copy = values[at : at + 3]
-        at += 3
-        out.group_block_moves.append((pairs(g_out), pairs(g_in), pairs(g_copy)))
+    def one(self) -> int:
+        self.at += 1
+        return self.values[self.at - 1]
+
+    def some(self, n: int) -> list[int]:
+        self.at += n
+        return self.values[self.at - n : self.at]
+
+    def counted(self) -> list[int]:
+        return self.some(self.one())
+
+    def edit(self) -> TableEdit | None:
+        keep = self.one()
+        if keep == NONE:
+            return None
+        dead_from, dead_to, n = self.some(3)
+        return TableEdit(keep, self.some(n), dead_from, dead_to)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        flat = self.some(2 * self.one())
+        return list(zip(flat[::2], flat[1::2]))
+
+
+def decode_step(payload: torch.Tensor) -> SchedulerOutput:
+    """The worker's view of the step ``encode_step`` made (its payload)."""
+    r = _Reader(payload.tolist())
+    num_extra = r.one()
+    out = SchedulerOutput(num_batched_tokens=r.one(), finished_seq_ids=r.counted(), preempted_seq_ids=r.counted())
+    for _ in range(r.one()):
+        seq_id, prompt, output, table = r.one(), r.counted(), r.counted(), r.counted()
+        groups = tuple(r.counted() for _ in range(num_extra))
+        out.new_seqs.append(NewSeqData(seq_id, prompt, output, None, None, table, groups))
+    for _ in range(r.one()):
+        seq_id, tokens, edit = r.one(), r.counted(), r.edit()
+        out.cached_seqs.append(CachedSeqData(seq_id, tokens, edit, tuple(r.edit() for _ in range(num_extra))))
+    for _ in range(r.one()):
+        seq_id, start, num_new, sample, lp_from, lp_to = r.some(6)
+        children = [ForkedSeq(child, None) for child in r.counted()]
+        out.scheduled.append(ScheduledSeq(seq_id, start, num_new, bool(sample),
+                                          None if lp_from == NONE else (lp_from, lp_to), children, r.counted()))
+    out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = r.pairs(), r.pairs(), r.pairs()
+    out.group_block_moves = [(r.pairs(), r.pairs(), r.pairs()) for _ in range(num_extra)]
     return out

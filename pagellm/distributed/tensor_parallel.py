@@ -2,8 +2,9 @@
 
 The scheduler and the KV block accounting live in the driver only. Every rank holds its share of
 the model (sharding.py) and a KV pool of the same number of blocks for its own heads, so one block
-table serves them all. Each step the driver broadcasts the scheduled metadata (step_message.py),
-then every rank runs the same forward pass, the all-reduces inside it keeping them in step; the
+table serves them all. Each step the driver broadcasts the step's plain data (step_message.py: a new
+sequence in full once, then what changed), every rank keeps the same state of each sequence from it
+(worker/request_state.py) and runs the same forward pass, the all-reduces inside it keeping them in step; the
 driver alone computes logits and samples.
 
 Ranks are processes: ``tensor_parallel_size / nnodes`` on each node, spawned by the node's main
@@ -193,8 +194,7 @@ class TensorParallelDriver:
         self.check_workers()
         header, payload = encode_step(out)
         self._broadcast(header)
-        if payload.numel():
-            self._broadcast(payload)
+        self._broadcast(payload)
         try:
             return runner.execute(out)
         except Exception as e:
@@ -255,8 +255,7 @@ def follow_steps(runner: ModelRunner, group: Any) -> None:
         dist.broadcast(header, src=0, group=group)
         if int(header[0]) == STOP:
             break
-        payload = torch.zeros(int(header[2]), dtype=torch.int64)
-        if payload.numel():
-            dist.broadcast(payload, src=0, group=group)
-        runner.forward_only(decode_step(header, payload))
+        payload = torch.zeros(int(header[1]), dtype=torch.int64)
+        dist.broadcast(payload, src=0, group=group)
+        runner.forward_only(decode_step(payload))
     dist.destroy_process_group()

@@ -372,9 +372,10 @@ class AsyncLLMEngine:
         """Test-only: ``step`` faults raise inside the model run, after the schedule took its blocks."""
         runner = self.engine.model_runner
         execute = runner.execute
+        seqs = self.engine.scheduler.seqs_by_id
 
         def execute_with_faults(scheduler_output: Any) -> Any:
-            self.faults.check("step", (it.seq.request.prompt for it in scheduler_output.scheduled))
+            self.faults.check("step", (seqs[it.seq_id].request.prompt for it in scheduler_output.scheduled))
             return execute(scheduler_output)
 
         runner.execute = execute_with_faults  # type: ignore[method-assign]

@@ -372,13 +372,14 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 # Cannot happen while one max_model_len sequence fits the cache; guard against a silent hang.
                 raise RuntimeError("scheduler made no progress with requests pending (internal error)")
-            self.model_runner.sampler.forget(scheduler_output.finished_seq_ids)
+            if scheduler_output.finished_seq_ids:  # the runner (every rank's) drops their state
+                self.execute_model(scheduler_output)
             return []
         if not scheduler_output.scheduled:  # only block moves this step (a swap-in issued ahead)
             self.execute_model(scheduler_output)
             return []
         result = self._execute(scheduler_output)
-        self.output_processor.add_prompt_logprobs(scheduler_output, result)
+        self.output_processor.add_prompt_logprobs(result, self.scheduler.seqs_by_id)
         touched = self.scheduler.update(scheduler_output, result)
         for observer in self.step_observers:
             observer.updated(self)
@@ -431,7 +432,9 @@ class LLMEngine:
         scheduler_output = self._last_scheduler_output
         if scheduler_output is None:
             return None
-        seqs = [it.seq for it in scheduler_output.scheduled] + list(scheduler_output.preempted)
+        by_id = self.scheduler.seqs_by_id
+        ids = [it.seq_id for it in scheduler_output.scheduled] + scheduler_output.preempted_seq_ids
+        seqs = [by_id[i] for i in ids if i in by_id]
         if scheduler_output.blocks_to_swap_in:  # swapped in for the next step: running, not scheduled yet
             scheduled = {id(s) for s in seqs}
             seqs += [s for s in self.scheduler.running if id(s) not in scheduled]

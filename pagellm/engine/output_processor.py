@@ -9,11 +9,10 @@ Both are keyed weakly by the core objects, so they go when core (and the caller)
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pagellm.core.runner_output import ModelRunnerOutput, TokenLogprobs
-from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.sequence import Request, Sequence, SequenceStatus
 from pagellm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagellm.outputs import (
@@ -66,16 +65,15 @@ class OutputProcessor:
         state = self._seq_states.get(seq)
         return state.text if state is not None else ""
 
-    def add_prompt_logprobs(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def add_prompt_logprobs(self, result: ModelRunnerOutput, seqs: Mapping[int, Sequence]) -> None:
         """Keep the prompt logprobs the runner computed this step (call before ``Scheduler.update``:
-        the chunks of sequences still running, as the scheduler counts them)."""
-        if not result.prompt_logprobs:
-            return
-        for item in scheduler_output.scheduled:
-            entries = result.prompt_logprobs.get(item.seq.seq_id)
-            if not entries or item.seq.status is not SequenceStatus.RUNNING:
+        the chunks of sequences still running, as the scheduler counts them); ``seqs``: the
+        scheduler's sequences by id."""
+        for seq_id, entries in result.prompt_logprobs.items():
+            seq = seqs[seq_id]
+            if not entries or seq.status is not SequenceStatus.RUNNING:
                 continue
-            request = item.seq.request
+            request = seq.request
             converted = self._prompt_logprobs.get(request)
             if converted is None:
                 converted = self._prompt_logprobs[request] = [None]  # the first token has no logprob

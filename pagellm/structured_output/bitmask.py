@@ -3,7 +3,7 @@ write them) and their application to a batch's logits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,8 @@ class GrammarMask:
 
     rows: list[int]
     bitmask: torch.Tensor  # (len(rows), ceil(vocab / 32)) int32
+    # seq_id -> why its grammar dead-ended (its row allows only the end of sequence).
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """StructuredOutputManager: compiles constraints (cached by their text), keeps each constrained
-sequence's grammar state, and fills a step's token bitmask while the model runs.
+sequence's grammar state (by sequence id, until the sequence finishes), and fills a step's token
+bitmask while the model runs.
 
 Requests without ``structured_outputs`` never reach the grammar engine: a step with no constrained
 sequence costs one scan of its sequences' parameters.
@@ -9,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from pagellm.config import ConstraintLimits
-from pagellm.core.sequence import Sequence
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
@@ -35,6 +35,21 @@ logger = logging.getLogger(__name__)
 
 # Compiled constraints kept: a service sees a few schemas many times (its tools, its extractors).
 DEFAULT_CACHE_SIZE = 256
+
+
+class ConstrainedSeq(Protocol):
+    """What the manager reads of a sampled sequence (the model runner's state of it)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def tokenizer_size(tokenizer: Any) -> int:
@@ -63,8 +78,9 @@ class StructuredOutputManager:
         self._templates: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         # Admission compiles on the compile thread while the engine's thread reads the cache.
         self._lock = threading.Lock()
-        # Each constrained sequence's grammar state, dropped with the sequence.
-        self._grammars: weakref.WeakKeyDictionary[Sequence, GuidanceGrammar] = weakref.WeakKeyDictionary()
+        # Each constrained sequence's grammar state by its id, kept through preemptions (the wrap-up's
+        # decision with it), dropped when the sequence finishes (``forget``).
+        self._grammars: dict[int, GuidanceGrammar] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses (tests and logs)
 
@@ -117,19 +133,24 @@ class StructuredOutputManager:
         return compiled
 
     # ------------------------------------------------------------------ step
-    def grammar_for(self, seq: Sequence) -> GuidanceGrammar:
-        grammar = self._grammars.get(seq)
+    def grammar_for(self, seq: ConstrainedSeq) -> GuidanceGrammar:
+        grammar = self._grammars.get(seq.seq_id)
         if grammar is None:
             so = seq.params.structured_outputs
             assert so is not None
-            grammar = self._grammars[seq] = self.backend.new_grammar(self.template(so))
+            grammar = self._grammars[seq.seq_id] = self.backend.new_grammar(self.template(so))
         return grammar
 
-    def grammar_state(self, seq: Sequence) -> GuidanceGrammar | None:
+    def grammar_state(self, seq_id: int) -> GuidanceGrammar | None:
         """The sequence's grammar state, if it has started one (tests, and a stopped grammar's check)."""
-        return self._grammars.get(seq)
+        return self._grammars.get(seq_id)
 
-    def start_mask(self, seqs: list[Sequence]) -> Future[GrammarMask] | None:
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Drop the grammar states of finished sequences (called between masks, never during one)."""
+        for seq_id in seq_ids:
+            self._grammars.pop(seq_id, None)
+
+    def start_mask(self, seqs: Seq[ConstrainedSeq]) -> Future[GrammarMask] | None:
         """Begin filling the bitmask of this step's sampled sequences on a worker thread (the model's
         forward pass runs meanwhile); None when none of them is constrained."""
         if not any(s.params.structured_outputs is not None for s in seqs):
@@ -138,11 +159,13 @@ class StructuredOutputManager:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
         return self._pool.submit(self.fill_mask, list(seqs))
 
-    def fill_mask(self, seqs: list[Sequence]) -> GrammarMask:
+    def fill_mask(self, seqs: Seq[ConstrainedSeq]) -> GrammarMask:
         """The bitmask of the constrained ones among ``seqs`` (their row index in ``seqs``), each
-        grammar first brought up to its sequence's output tokens."""
+        grammar first brought up to its sequence's output tokens; ``errors``: those whose grammar
+        dead-ended (each may only end now)."""
         rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        errors: dict[int, str] = {}
         live: list[tuple[GuidanceGrammar, int]] = []
         for k, i in enumerate(rows):
             seq = seqs[i]
@@ -153,7 +176,7 @@ class StructuredOutputManager:
                 logger.exception("grammar of seq %d failed: it may only end now", seq.seq_id)
                 grammar = None
             if grammar is None or grammar.failed:
-                self._dead_end(seq, grammar)
+                self._dead_end(seq, grammar, errors)
                 set_only(bitmask[k], self.eos_token_ids)
             else:
                 live.append((grammar, k))
@@ -162,23 +185,23 @@ class StructuredOutputManager:
         self.backend.fill_bitmask(live, bitmask)
         for grammar, k in live:
             if grammar.failed:  # found while computing the mask: no token extends the output
-                self._dead_end(seqs[rows[k]], grammar)
+                self._dead_end(seqs[rows[k]], grammar, errors)
                 set_only(bitmask[k], self.eos_token_ids)
         for grammar, k in live:
             if grammar.wrap_up_from is not None and not grammar.failed:
                 seq = seqs[rows[k]]
                 self.wrap_up_masks.narrow(bitmask[k], may_end=seq.num_output_tokens >= seq.params.min_tokens)
-        return GrammarMask(rows, bitmask)
+        return GrammarMask(rows, bitmask, errors)
 
     @staticmethod
-    def _dead_end(seq: Sequence, grammar: GuidanceGrammar | None) -> None:
-        """Mark ``seq`` as ending with finish_reason "error": its constraint can no longer be satisfied."""
-        if seq.constraint_error is None:
-            seq.constraint_error = grammar.error if grammar is not None else "the grammar failed"
+    def _dead_end(seq: ConstrainedSeq, grammar: GuidanceGrammar | None, errors: dict[int, str]) -> None:
+        """Record that ``seq`` ends with finish_reason "error": its constraint can no longer be satisfied."""
+        if seq.seq_id not in errors:
+            errors[seq.seq_id] = why = grammar.error if grammar is not None else "the grammar failed"
             logger.warning("seq %d: its output can no longer satisfy its constraint (%s): it ends with "
-                           "finish_reason 'error'", seq.seq_id, seq.constraint_error)
+                           "finish_reason 'error'", seq.seq_id, why)
 
-    def should_wrap_up(self, seq: Sequence, grammar: GuidanceGrammar) -> bool:
+    def should_wrap_up(self, seq: ConstrainedSeq, grammar: GuidanceGrammar) -> bool:
         """A JSON document whose model repeats itself, or whose tokens left barely close it (see wrap_up.py)."""
         so = seq.params.structured_outputs
         if so is None or so.kind not in WRAP_UP_KINDS:

@@ -1,8 +1,9 @@
 """SchedulerOutput -> one flat batch -> model -> sampled tokens (and prompt logprobs).
 
-A step reads top to bottom in ``execute``: move blocks, ``prepare`` the batch (``prepare_decode``,
-``prepare_prefill``, ``prepare_sample``, ``prepare_logits_rows``), ``run_model``, ``sample``. The
-attention backend is chosen once, here, and handed to the model.
+A step reads top to bottom in ``execute``: take in the step's news about each sequence (the
+runner's own ``RequestStates``: tokens, sampling parameters, block tables), move blocks, ``prepare``
+the batch (``prepare_decode``, ``prepare_prefill``, ``prepare_sample``, ``prepare_logits_rows``),
+``run_model``, ``sample``. The attention backend is chosen once, here, and handed to the model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from pagellm.core.runner_output import ModelRunnerOutput, TokenLogprobs
 from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
-from pagellm.core.sequence import Sequence
 from pagellm.model.attention import (
     AttentionConfig,
     AttentionMetadata,
@@ -29,24 +29,28 @@ from pagellm.model.attention.metadata import long_tensor
 from pagellm.model.llama import Attention
 from pagellm.structured_output import GrammarMask, StructuredOutputManager
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.request_state import RequestStates, SeqState
 from pagellm.worker.sampler import Sampler, top_logprobs
 
 logger = logging.getLogger(__name__)
+
+# A scheduled chunk with the runner's state of its sequence.
+Chunk = tuple[ScheduledSeq, SeqState]
 
 
 @dataclass
 class SamplingMetadata:
     """Which rows of the flat batch the LM head reads: the sampled ones, then those scoring a prompt token."""
 
-    seqs: list[Sequence] = field(default_factory=list)  # [num_samples] sequences that sample a token
+    seqs: list[SeqState] = field(default_factory=list)  # [num_samples] sequences that sample a token
     rows: list[int] = field(default_factory=list)  # [num_samples] flat row of each one's last token
     lp_rows: list[int] = field(default_factory=list)  # [num_scored] flat rows whose logits score a prompt token
     lp_targets: list[int] = field(default_factory=list)  # [num_scored] the prompt token each scores
-    # Each scoring sequence's share of lp_rows, in order: (its scheduled chunk, number of rows).
-    lp_owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
+    # Each scoring sequence's share of lp_rows, in order: (the sequence, number of rows).
+    lp_owners: list[tuple[SeqState, int]] = field(default_factory=list)
     # Speculative decoding: (sequence, flat rows of its last token and drafts, the drafts), read after
     # the rows above.
-    spec: list[tuple[Sequence, list[int], list[int]]] = field(default_factory=list)
+    spec: list[tuple[SeqState, list[int], list[int]]] = field(default_factory=list)
 
     @property
     def spec_rows(self) -> list[int]:
@@ -68,12 +72,13 @@ class StepBatch:
 
 
 class ModelRunner:
-    """Runs one scheduled step on the model: owns the model, the KV pools (``CacheEngine``) and the
-    ``Sampler``, and turns a ``SchedulerOutput`` into a ``ModelRunnerOutput`` (one sample per sampled
-    sequence, prompt logprobs where asked).
+    """Runs one scheduled step on the model: owns the model, the KV pools (``CacheEngine``), the
+    ``Sampler`` and its own state of each sequence (``requests``), and turns a ``SchedulerOutput`` into a
+    ``ModelRunnerOutput`` (one sample per sampled sequence, prompt logprobs where asked).
 
-    It reads the scheduler's block tables and never changes them; block moves (swap, copy-on-write)
-    are applied before the forward pass; a step's result depends only on its schedule and the pools.
+    Its block tables are copies the scheduler's messages keep up to date; block moves (swap,
+    copy-on-write) are applied before the forward pass; a step's result depends only on its schedule,
+    the sequences' tokens and the pools.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class ModelRunner:
             device, v_cache.dtype, model.config.num_attention_heads, num_kv_heads, head_dim, self.block_size,
             sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
         self.cascade = self.attn_backend.cascade and not speculative
+        self.requests = RequestStates()
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
         if v_cache.element_size() == 1:  # --kv-cache-dtype fp8: each layer scales what it stores
@@ -123,7 +129,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.sampler.forget(scheduler_output.finished_seq_ids)
+        self.take_in(scheduler_output)
         self.move_blocks(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
@@ -138,10 +144,21 @@ class ModelRunner:
     def forward_only(self, scheduler_output: SchedulerOutput) -> None:
         """A tensor-parallel worker's share of a step: the block moves and the forward pass (its K/V
         and the all-reduces); rank 0 computes the logits and samples."""
+        self.take_in(scheduler_output)
         self.move_blocks(scheduler_output)
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
             self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+
+    def take_in(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's news about each sequence, into the runner's state; finished sequences' seeded
+        generators and grammars go with them (a preempted one keeps both: it comes back)."""
+        self.requests.apply(scheduler_output)
+        finished = scheduler_output.finished_seq_ids
+        if finished:
+            self.sampler.forget(finished)
+            if self.structured_output is not None:
+                self.structured_output.forget(finished)
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
@@ -155,17 +172,18 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
-        """The step's scheduled tokens as one flat batch, with what attention and sampling read."""
-        items = self.batch_order(scheduled)
-        decodes = [it for it in items if is_decode(it)]  # (first: see batch_order)
-        num_decodes = sum(it.num_new_tokens for it in decodes)  # rows: one per token, drafts included
+        """The step's scheduled tokens as one flat batch, with what attention and sampling read (each
+        sequence's tokens and tables from ``requests``, which took in the step's news first)."""
+        items = self.batch_order([(it, self.requests[it.seq_id]) for it in scheduled])
+        decodes = [c for c in items if is_decode(c[0])]  # (first: see batch_order)
+        num_decodes = sum(it.num_new_tokens for it, _ in decodes)  # rows: one per token, drafts included
         input_ids, positions, slots = self.prepare_tokens(items)
         slot_mapping = long_tensor(slots, self.device)
         attn = AttentionMetadata(slot_mapping=slot_mapping, slot_blocks=slot_mapping // self.block_size,
                                  slot_offsets=slot_mapping % self.block_size, sliding_window=self.sliding_window)
         if num_decodes:
             attn.decode = self.prepare_decode(decodes)
-            attn.decode_seq_lens = [it.start + 1 + i for it in decodes for i in range(it.num_new_tokens)]
+            attn.decode_seq_lens = [it.start + 1 + i for it, _ in decodes for i in range(it.num_new_tokens)]
         attn.prefills = self.prepare_prefill(items[len(decodes):], num_decodes)
         if self.num_groups > 1:  # (no drafts with several groups: one row per decode)
             attn.group_metas = [attn, *(self.prepare_group(items, len(decodes), positions, attn, g)
@@ -175,51 +193,51 @@ class ModelRunner:
         return StepBatch(long_tensor(input_ids, self.device), long_tensor(positions, self.device), attn, sampling,
                          logits_rows)
 
-    def batch_order(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    def batch_order(self, items: list[Chunk]) -> list[Chunk]:
         """Decodes first. Where the backend reads shared leading blocks once (cascade), those sharing
         their first block next to each other; else longest context first: decodes of similar length
         are contiguous runs."""
         if self.cascade:
-            return sorted(scheduled, key=lambda it: (not is_decode(it), it.block_table[:1], -it.start))
-        return sorted(scheduled, key=lambda it: (not is_decode(it), -it.start))
+            return sorted(items, key=lambda c: (not is_decode(c[0]), c[1].block_table[:1], -c[0].start))
+        return sorted(items, key=lambda c: (not is_decode(c[0]), -c[0].start))
 
-    def prepare_tokens(self, items: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int]]:
+    def prepare_tokens(self, items: list[Chunk]) -> tuple[list[int], list[int], list[int]]:
         """Every new token of the step, in batch order: its id, position and slot."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for it in items:
-            start, n, table = it.start, it.num_new_tokens, it.block_table
+        for it, state in items:
+            start, n, table = it.start, it.num_new_tokens, state.block_table
             drafts = it.draft_token_ids
-            input_ids.extend(it.seq.token_slice(start, start + n - len(drafts)))
+            input_ids.extend(state.token_slice(start, start + n - len(drafts)))
             input_ids.extend(drafts)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
         return input_ids, positions, slots
 
-    def prepare_decode(self, decodes: list[ScheduledSeq]) -> DecodeMetadata:
+    def prepare_decode(self, decodes: list[Chunk]) -> DecodeMetadata:
         """The decodes (the first rows, one per token: a sequence's drafts are decodes at the positions
         after its last token, attending to the K/V written before them in the step) as the backend
         attends them, runs of them sharing their first blocks found where it reads those once."""
-        tables = [it.block_table for it in decodes for _ in range(it.num_new_tokens)]
-        lens = [it.start + 1 + i for it in decodes for i in range(it.num_new_tokens)]
+        tables = [state.block_table for it, state in decodes for _ in range(it.num_new_tokens)]
+        lens = [it.start + 1 + i for it, _ in decodes for i in range(it.num_new_tokens)]
         runs = cascade_runs(tables) if self.cascade else []
         return self.attn_backend.prepare_decode(tables, lens, runs)
 
-    def prepare_prefill(self, prefills: list[ScheduledSeq], first_row: int) -> list[PrefillSpan]:
+    def prepare_prefill(self, prefills: list[Chunk], first_row: int) -> list[PrefillSpan]:
         """Each prefill (chunk) as its run of rows from ``first_row`` on, with its context and blocks."""
         spans = []
         q_start = first_row
-        for it in prefills:
+        for it, state in prefills:
             n = it.num_new_tokens
-            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(it.block_table, self.device),
-                                     it.seq.num_tokens))
+            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(state.block_table, self.device),
+                                     state.num_tokens))
             q_start += n
         return spans
 
-    def prepare_group(self, items: list[ScheduledSeq], num_decodes: int, positions: list[int],
+    def prepare_group(self, items: list[Chunk], num_decodes: int, positions: list[int],
                       attn: AttentionMetadata, group: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group`` (1 and up): the step's rows in the group's own blocks.
 
@@ -229,11 +247,11 @@ class ModelRunner:
         positions (the rotation is applied before they are stored). Its decodes read no shared runs."""
         bs = self.block_size
         window = self.group_windows.get(group)
-        tables = [it.group_block_tables[group - 1] for it in items]
+        tables = [state.group_block_tables[group - 1] for _, state in items]
         slots: list[int] = []
         at = 0
         skipped = []  # leading blocks of each table no query of the step reads
-        for it, table in zip(items, tables):
+        for (it, _), table in zip(items, tables):
             slots.extend(table[p // bs] * bs + p % bs for p in positions[at : at + it.num_new_tokens])
             at += it.num_new_tokens
             skipped.append(0 if window is None else max(0, it.start - window) // bs)
@@ -244,7 +262,7 @@ class ModelRunner:
         if num_decodes:
             meta.decode = self.attn_backend.prepare_decode(
                 [table[k:] for table, k in zip(tables[:num_decodes], skipped)],
-                [it.start + 1 - k * bs for it, k in zip(items[:num_decodes], skipped)], [])
+                [it.start + 1 - k * bs for (it, _), k in zip(items[:num_decodes], skipped)], [])
         meta.prefills = [
             PrefillSpan(span.q_start, span.q_len, span.context_len - k * bs, long_tensor(table[k:], self.device),
                         span.seq_len)
@@ -252,24 +270,25 @@ class ModelRunner:
         ]
         return meta
 
-    def prepare_sample(self, items: list[ScheduledSeq]) -> SamplingMetadata:
+    def prepare_sample(self, items: list[Chunk]) -> SamplingMetadata:
         """The rows each sampling sequence reads (its chunk's last), and those scoring prompt tokens."""
         sampling = SamplingMetadata()
         q_start = 0
-        for it in items:
-            seq, start, n = it.seq, it.start, it.num_new_tokens
+        for it, state in items:
+            start, n = it.start, it.num_new_tokens
             if it.draft_token_ids:
-                sampling.spec.append((seq, list(range(q_start, q_start + n)), it.draft_token_ids))
+                sampling.spec.append((state, list(range(q_start, q_start + n)), it.draft_token_ids))
             elif it.sample:
-                # Forked children sample their own first token from the parent's logits.
-                for s in (seq, *it.fork_children):
+                sampling.rows.append(q_start + n - 1)
+                sampling.seqs.append(state)
+                for child in it.fork_children:  # each samples its own first token from the parent's logits
                     sampling.rows.append(q_start + n - 1)
-                    sampling.seqs.append(s)
+                    sampling.seqs.append(self.requests[child.seq_id])
             if it.prompt_logprobs_range is not None:
                 lo, hi = it.prompt_logprobs_range
                 sampling.lp_rows.extend(q_start + p - start for p in range(lo, hi))
-                sampling.lp_targets.extend(seq.prompt_token_ids[p + 1] for p in range(lo, hi))
-                sampling.lp_owners.append((it, hi - lo))
+                sampling.lp_targets.extend(state.prompt_token_ids[p + 1] for p in range(lo, hi))
+                sampling.lp_owners.append((state, hi - lo))
             q_start += n
         return sampling
 
@@ -297,6 +316,8 @@ class ModelRunner:
     def sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
                grammar: GrammarMask | None = None) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
+        if grammar is not None and grammar.errors:
+            result.constraint_errors = dict(grammar.errors)
         num = len(sampling.seqs)
         if num:
             for s, res in zip(sampling.seqs, self.sampler(logits[:num], sampling.seqs, grammar)):
@@ -315,15 +336,15 @@ class ModelRunner:
     def prompt_logprobs(self, sampling: SamplingMetadata, logits: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
         """seq_id -> the logprobs of its scored prompt tokens (each sequence's own top-k, and the token)."""
         lp = torch.log_softmax(logits, dim=-1)
-        num = max(it.seq.params.prompt_logprobs or 0 for it, _ in sampling.lp_owners)
+        num = max(state.params.prompt_logprobs or 0 for state, _ in sampling.lp_owners)
         entries = top_logprobs(lp, num, long_tensor(sampling.lp_targets, self.device))
         out = {}
         offset = 0
-        for it, count in sampling.lp_owners:
-            n_i = it.seq.params.prompt_logprobs or 0
+        for state, count in sampling.lp_owners:
+            n_i = state.params.prompt_logprobs or 0
             chunk = entries[offset : offset + count]
             targets = sampling.lp_targets[offset : offset + count]
-            out[it.seq.seq_id] = [{t: v for t, v in e.items() if v[1] <= n_i or t == tgt}
+            out[state.seq_id] = [{t: v for t, v in e.items() if v[1] <= n_i or t == tgt}
                                   for e, tgt in zip(chunk, targets)]
             offset += count
         return out

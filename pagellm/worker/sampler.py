@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable
 
 import torch
 
 from pagellm.core.runner_output import SampleResult, TokenLogprobs
-from pagellm.core.sequence import Sequence
 from pagellm.kernels import native
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.bitmask import GrammarMask, apply_token_bitmask
+from pagellm.worker.request_state import SeqState
 
 
 def top_logprobs(
@@ -39,17 +39,17 @@ def top_logprobs(
 class Sampler:
     """Turns the last-position logits of each sampled sequence into its next token."""
 
-    def __init__(self, eos_token_ids: Seq[int], device: torch.device, seed: int) -> None:
+    def __init__(self, eos_token_ids: Iterable[int], device: torch.device, seed: int) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
         self._seeded: dict[int, torch.Generator] = {}
 
-    def forget(self, seq_ids: Seq[int]) -> None:
+    def forget(self, seq_ids: Iterable[int]) -> None:
         for sid in seq_ids:
             self._seeded.pop(sid, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+    def __call__(self, logits: torch.Tensor, seqs: list[SeqState],
                  grammar: GrammarMask | None = None) -> list[SampleResult]:
         """logits: (num_seqs, vocab) float32, one row per sequence in ``seqs``; ``grammar``: the tokens
         the constrained rows may sample, applied after every other processor."""
@@ -82,7 +82,7 @@ class Sampler:
         assert chosen is not None  # seqs is never empty: every row is greedy or sampled
         return self._results(raw, chosen, params, fast)
 
-    def verify(self, logits: torch.Tensor, seq: Sequence, drafts: list[int]) -> list[SampleResult]:
+    def verify(self, logits: torch.Tensor, seq: SeqState, drafts: list[int]) -> list[SampleResult]:
         """Speculative decoding: ``logits`` (len(drafts) + 1, vocab) are the rows of ``seq``'s last token
         and of its drafts; returns the tokens kept, each with its row's logprobs: the drafts while they
         are what sampling would give, then one token more. Greedy rows keep a draft equal to their
@@ -145,7 +145,7 @@ class Sampler:
         return results
 
     # ------------------------------------------------------------ processors
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
         vocab = logits.shape[1]
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -164,7 +164,7 @@ class Sampler:
         self._apply_penalties(logits, seqs)
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SeqState]) -> None:
         rows = [i for i, s in enumerate(seqs) if _penalised(s.params)]
         if not rows:
             return
@@ -185,10 +185,10 @@ class Sampler:
             row -= p.frequency_penalty * counts
             row -= p.presence_penalty * (counts > 0).float()
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
         return self._draw(self._probs(logits, seqs), seqs)
 
-    def _probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
         """Each row's sampling distribution: temperature, min_p, top_k and top_p applied."""
         dev = logits.device
         params = [s.params for s in seqs]
@@ -205,7 +205,7 @@ class Sampler:
             logits = _top_k_top_p(logits, top_k, top_p)
         return logits.softmax(-1)
 
-    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, seqs: list[SeqState]) -> torch.Tensor:
         """One token per row of ``probs`` (weights; rows need not sum to 1).
 
         Inverse CDF: one uniform draw per row, the first token whose cumulative probability exceeds
@@ -228,7 +228,7 @@ class Sampler:
         target = torch.minimum(u.unsqueeze(1) * total, total * (1 - 2**-52))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
-    def _generator_for(self, seq: Sequence) -> torch.Generator:
+    def _generator_for(self, seq: SeqState) -> torch.Generator:
         gen = self._seeded.get(seq.seq_id)
         if gen is None:
             assert seq.seed is not None
@@ -241,7 +241,7 @@ def _penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-def _needs_processing(seq: Sequence) -> bool:
+def _needs_processing(seq: SeqState) -> bool:
     """Whether any logits processor changes this sequence's logits this step (the grammar's mask
     aside: it is applied on its own rows only)."""
     p = seq.params

@@ -101,7 +101,7 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
     for _ in range(200):
         out = step(sched)
         if out.blocks_to_swap_out and swapped_at is None:
-            swapped_at = out.preempted[0]
+            swapped_at = sched.seqs_by_id[out.preempted_seq_ids[0]]
             assert swapped_at.status is SequenceStatus.SWAPPED
             computed = swapped_at.num_computed_tokens
             assert computed > 0  # swapping keeps the computed tokens
@@ -109,7 +109,7 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
         if out.blocks_to_swap_in:
             # Issued a step ahead: the sequence is running again but not computed in this step.
             (seq,) = [s for s in sched.running if s is swapped_at]
-            assert all(item.seq is not seq for item in out.scheduled)
+            assert all(item.seq_id != seq.seq_id for item in out.scheduled)
             break
         if not sched.has_unfinished():
             break

@@ -30,14 +30,12 @@ def test_running_first_then_waiting_and_mixed_prefill_decode():
     a = make_request(6)
     sched.add_request(a)
     first = fake_step(sched)
-    assert [(s.seq.request.request_id, s.num_new_tokens) for s in first.scheduled] == [(a.request_id, 6)]
+    assert [(s.seq_id, s.num_new_tokens) for s in first.scheduled] == [(a.seqs[0].seq_id, 6)]
     b = make_request(20)
     sched.add_request(b)
     second = fake_step(sched)
     # a decodes (1 token) first, then b's prefill takes the remaining 9 of the budget.
-    assert [(s.seq.request.request_id, s.num_new_tokens) for s in second.scheduled] == [
-        (a.request_id, 1), (b.request_id, 9)
-    ]
+    assert [(s.seq_id, s.num_new_tokens) for s in second.scheduled] == [(a.seqs[0].seq_id, 1), (b.seqs[0].seq_id, 9)]
     assert second.num_batched_tokens == 10
     assert not second.scheduled[1].sample  # a prefill chunk that does not reach the end samples nothing
 
@@ -59,7 +57,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     sched.add_request(a)
     sched.add_request(b)
     out = fake_step(sched)
-    assert [s.seq.request.request_id for s in out.scheduled] == [a.request_id]  # 4 + 8 > 10
+    assert [s.seq_id for s in out.scheduled] == [a.seqs[0].seq_id]  # 4 + 8 > 10
 
 
 def test_preempts_the_most_recently_admitted_and_recomputes_it():
@@ -69,7 +67,8 @@ def test_preempts_the_most_recently_admitted_and_recomputes_it():
     for r in reqs:
         sched.add_request(r)
     outs = run_to_end(sched)
-    preempted = [s for o in outs for s in o.preempted]
+    seqs = {s.seq_id: s for r in reqs for s in r.seqs}
+    preempted = [seqs[i] for o in outs for i in o.preempted_seq_ids]
     assert preempted, "the tiny pool should have forced a preemption"
     assert preempted[0].request is reqs[2]  # the last admitted goes first
     assert sched.stats.num_preemptions == len(preempted)

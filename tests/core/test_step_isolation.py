@@ -17,7 +17,7 @@ def test_held_requests_wait_in_their_state_while_the_others_run_alone():
     step_isolation.hold_all_but(sched, [b])
     assert sched.held and sched.has_unfinished()
     out = fake_step(sched)
-    assert [it.seq.request for it in out.scheduled] == [b]
+    assert [it.seq_id for it in out.scheduled] == [b.seqs[0].seq_id]
     assert a.seqs[0].num_output_tokens == 1 and b.seqs[0].num_output_tokens == 2
     assert sched.kv_cache_manager.num_free_blocks <= free_before  # held blocks stay held
     step_isolation.release(sched)
@@ -46,7 +46,9 @@ def test_a_reset_request_is_recomputed_and_keeps_its_tokens():
     assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
     assert seq.output_token_ids == tokens and not sched.kv_cache_manager.block_table(seq)
     out = fake_step(sched)  # prompt and tokens so far computed again, in one chunk
-    assert any(it.seq is seq and it.num_new_tokens == seq.num_tokens - 1 for it in out.scheduled)
+    assert any(it.seq_id == seq.seq_id and it.num_new_tokens == seq.num_tokens - 1 for it in out.scheduled)
+    (new,) = [d for d in out.new_seqs if d.seq_id == seq.seq_id]  # the runner is told it whole again
+    assert new.output_token_ids == tokens
     run_to_end(sched)
     assert a.seqs[0].output_token_ids[:2] == tokens and a.seqs[0].num_output_tokens == 6
 

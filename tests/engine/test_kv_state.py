@@ -135,5 +135,5 @@ def _samples(out):
     res = ModelRunnerOutput()
     for item in out.scheduled:
         if item.sample:
-            res.samples[item.seq.seq_id] = SampleResult(token_id=3, logprob=-1.0)
+            res.samples[item.seq_id] = SampleResult(token_id=3, logprob=-1.0)
     return res

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.sequence import Request
 from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
 from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.worker.request_state import SeqState
 from pagellm.worker.sampler import Sampler
 from tests.helpers import assert_all_blocks_free
 
@@ -126,7 +126,7 @@ def test_sampled_tokens_keep_their_distribution():
                                      [0.30, 0.05, 0.05, 0.10, 0.30, 0.20],
                                      [0.10, 0.10, 0.10, 0.10, 0.10, 0.50]]))
     sampler = Sampler([], torch.device("cpu"), seed=0)
-    seq = Request("r", None, [1, 2], SamplingParams(temperature=1.0), arrival_time=0.0).seqs[0]
+    seq = SeqState(0, [1, 2], [], SamplingParams(temperature=1.0), None, [])
     draws = 4000
     first = torch.zeros(6)
     second_after_accept = torch.zeros(6)

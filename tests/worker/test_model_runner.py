@@ -9,7 +9,7 @@ import torch
 
 import pagellm.worker.model_runner as model_runner
 from pagellm import LLM, SamplingParams
-from pagellm.core.sched_output import ScheduledSeq
+from pagellm.core.sched_output import ForkedSeq, NewSeqData, ScheduledSeq, SchedulerOutput
 from pagellm.kernels import native
 from pagellm.model.attention import DecodeBatch
 from pagellm.worker.cache_engine import CacheEngine
@@ -82,17 +82,6 @@ def test_last_layer_on_the_used_rows_gives_the_same_outputs(checkpoints, name, d
                 assert all(a[t].logprob == pytest.approx(b[t].logprob, **tol) for t in a)
 
 
-class _Seq:
-    """What the runner reads of a sequence: its tokens (all prompt here) and its id."""
-
-    def __init__(self, seq_id: int, prompt: list[int]) -> None:
-        self.seq_id, self.prompt_token_ids = seq_id, prompt
-        self.num_tokens = len(prompt)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        return self.prompt_token_ids[start:end]
-
-
 def test_prepare_builds_one_flat_batch_decodes_first():
     """Decodes first (longest context first), then each prefill chunk; slots from the block tables;
     the sampled rows (a fork samples its parent's row), the scored prompt rows, and the last layer's
@@ -101,13 +90,16 @@ def test_prepare_builds_one_flat_batch_decodes_first():
     model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=4), set_attention_backend=lambda b: None)
     runner = model_runner.ModelRunner(model, cache, sampler=None, device=torch.device("cpu"))
     tokens = list(range(100, 120))
-    prompt, decode, forked, chunk, child = (_Seq(i, tokens) for i in range(5))
+    prompt, decode, forked, chunk, child = range(5)  # sequence ids
+    tables = {prompt: [3, 4], decode: [7, 8], chunk: [9, 10], forked: [1, 2, 5]}
     scheduled = [
-        ScheduledSeq(prompt, 0, 5, [3, 4], sample=True, prompt_logprobs_range=(1, 4)),
-        ScheduledSeq(decode, 6, 1, [7, 8], sample=True),
-        ScheduledSeq(chunk, 4, 3, [9, 10], sample=False),
-        ScheduledSeq(forked, 9, 1, [1, 2, 5], sample=True, fork_children=[child]),
+        ScheduledSeq(prompt, 0, 5, sample=True, prompt_logprobs_range=(1, 4)),
+        ScheduledSeq(decode, 6, 1, sample=True),
+        ScheduledSeq(chunk, 4, 3, sample=False),
+        ScheduledSeq(forked, 9, 1, sample=True, fork_children=[ForkedSeq(child, seed=7)]),
     ]
+    runner.requests.apply(SchedulerOutput(scheduled, new_seqs=[
+        NewSeqData(seq_id, tokens, [], SamplingParams(), None, table) for seq_id, table in tables.items()]))
     batch = runner.prepare(scheduled)
     assert batch.positions.tolist() == [9, 6, 4, 5, 6, 0, 1, 2, 3, 4]
     assert batch.input_ids.tolist() == [tokens[p] for p in batch.positions.tolist()]
@@ -123,6 +115,7 @@ def test_prepare_builds_one_flat_batch_decodes_first():
         assert [(g.start, g.num, g.tables.tolist()) for g in decodes.groups] == [(0, 1, [[1, 2, 5]]), (1, 1, [[7, 8]])]
     s = batch.sampling
     assert [q.seq_id for q in s.seqs] == [2, 4, 1, 0] and s.rows == [0, 0, 1, 9]
-    assert s.lp_rows == [6, 7, 8] and s.lp_targets == tokens[2:5] and s.lp_owners == [(scheduled[0], 3)]
+    assert s.lp_rows == [6, 7, 8] and s.lp_targets == tokens[2:5] and s.lp_owners == [(runner.requests[prompt], 3)]
+    assert (s.seqs[1].prompt_token_ids, s.seqs[1].seed, s.seqs[1].block_table) == (tokens, 7, [])  # the forked child
     assert batch.attn.output_rows.rows == [0, 1, 6, 7, 8, 9]
     assert batch.logits_rows.tolist() == [0, 0, 1, 5, 2, 3, 4]

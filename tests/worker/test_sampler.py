@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.sequence import Request
+from pagellm.worker.request_state import SeqState
 from pagellm.worker.sampler import Sampler
 from tests.helpers import assert_all_blocks_free
 
@@ -19,7 +19,8 @@ def llm(llama_path):
 
 
 def seqs_for(params_list):
-    return [Request(f"r{i}", None, [5, 6, 7], p, arrival_time=0.0).seqs[0] for i, p in enumerate(params_list)]
+    """The runner's state of one sequence per params (prompt [5, 6, 7], nothing generated yet)."""
+    return [SeqState(i, [5, 6, 7], [], p, p.seed, []) for i, p in enumerate(params_list)]
 
 
 def test_fixed_seed_reproduces_whatever_the_batch_companions(llm):

@@ -1,0 +1,112 @@
+"""The model runner's own state per sequence, kept up to date from each step's ``SchedulerOutput``.
+
+The scheduler sends a sequence whole once (``NewSeqData``) and then only what changed
+(``CachedSeqData``); this is where the runner keeps the result: the sequence's tokens (what a
+prefill and a decode compute, the targets of prompt logprobs, what penalties and grammars read),
+its sampling parameters and seed, and its block tables. Finished and preempted sequences are dropped.
+Every tensor-parallel rank keeps the same state from the same messages (without the sampling
+parameters: only rank 0 samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pagellm.core.sched_output import ForkedSeq, NewSeqData, SchedulerOutput, apply_table_edit
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One sequence as the runner knows it (the worker's counterpart of core's ``Sequence``)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams | None  # None on a tensor-parallel worker
+    seed: int | None
+    block_table: list[int]
+    group_block_tables: list[list[int]] = field(default_factory=list)  # groups 1, 2, ...
+
+    @classmethod
+    def from_new(cls, new: NewSeqData) -> SeqState:
+        return cls(new.seq_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, new.seed,
+                   list(new.block_table), [list(t) for t in new.group_block_tables])
+
+    def fork(self, child: ForkedSeq) -> SeqState:
+        """An ``n > 1`` child's state as it forks: this sequence's tokens and parameters, its own seed;
+        its block tables come with its first step."""
+        return SeqState(child.seq_id, self.prompt_token_ids, list(self.output_token_ids), self.sampling_params,
+                        child.seed, [], [[] for _ in self.group_block_tables])
+
+    @property
+    def params(self) -> SamplingParams:
+        if self.sampling_params is None:
+            raise RuntimeError(f"seq {self.seq_id}: a tensor-parallel worker holds no sampling parameters")
+        return self.sampling_params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:  # a decode: no copy of the whole prompt
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+class RequestStates:
+    """Every sequence the runner holds, by id."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, SeqState] = {}
+
+    def __getitem__(self, seq_id: int) -> SeqState:
+        return self._seqs[seq_id]
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self) -> Iterator[SeqState]:
+        return iter(self._seqs.values())
+
+    def apply(self, out: SchedulerOutput) -> None:
+        """Take in a step's news, before anything of it is computed: drop the finished and preempted
+        sequences, add the new ones (replacing any stale state under their id), apply each cached one's
+        changes, and start each forked child from its parent."""
+        seqs = self._seqs
+        for seq_id in out.finished_seq_ids:
+            seqs.pop(seq_id, None)
+        for seq_id in out.preempted_seq_ids:
+            seqs.pop(seq_id, None)
+        for new in out.new_seqs:
+            seqs[new.seq_id] = SeqState.from_new(new)
+        for cached in out.cached_seqs:
+            state = seqs[cached.seq_id]
+            if cached.new_token_ids:
+                state.output_token_ids.extend(cached.new_token_ids)
+            if cached.block_edit is not None:
+                apply_table_edit(state.block_table, cached.block_edit)
+            for table, edit in zip(state.group_block_tables, cached.group_block_edits):
+                if edit is not None:
+                    apply_table_edit(table, edit)
+        for item in out.scheduled:
+            if item.fork_children:
+                parent = seqs[item.seq_id]
+                for child in item.fork_children:
+                    seqs[child.seq_id] = parent.fork(child)
