@@ -41,7 +41,8 @@ def hf_prompt_logprobs(path: Path, prompt_ids: list[int], dtype: torch.dtype = t
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    """After every request ended: invariants hold and no block is in use."""
+    """After every request ended: invariants hold, no block is in use, and the model runner holds no
+    sequence once told the last finished ones (the next step tells it)."""
     manager = llm.llm_engine.kv_cache_manager
     manager.assert_consistent()
     assert manager.num_free_blocks == manager.num_blocks, (
@@ -49,6 +50,8 @@ def assert_all_blocks_free(llm: LLM) -> None:
     )
     assert not manager.block_tables
     assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.step() == []
+    assert not len(llm.llm_engine.model_runner.requests)
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:

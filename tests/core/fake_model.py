@@ -76,7 +76,14 @@ def fake_step(sched: Scheduler, tick: float = 0.0) -> SchedulerOutput:
     check_runner_states(sched, out)
     res = ModelRunnerOutput()
     for item in out.scheduled:
-        if item.sample:
+        if item.draft_token_ids:  # drafts are kept while they are the fake model's tokens, then one more
+            n = sched.seqs_by_id[item.seq_id].num_tokens
+            kept = 1
+            while kept <= len(item.draft_token_ids) and item.draft_token_ids[kept - 1] == fake_token(n + kept - 1):
+                kept += 1
+            res.samples[item.seq_id] = SampleResult(token_id=fake_token(n), logprob=-1.0)
+            res.extra_samples[item.seq_id] = [SampleResult(fake_token(n + k), -1.0) for k in range(1, kept)]
+        elif item.sample:
             for seq_id in (item.seq_id, *(c.seq_id for c in item.fork_children)):
                 seq = sched.seqs_by_id[seq_id]
                 res.samples[seq_id] = SampleResult(token_id=fake_token(seq.num_tokens), logprob=-1.0)
