@@ -37,6 +37,7 @@ def _leading_stand_ins(table: list[KVBlock]) -> int:
 class _SentTable:
     """One block table as the runner holds it."""
 
+    windowed: bool  # the group frees what leaves a window (only then are there stand-ins to find)
     source: list[KVBlock] | None = None  # the manager's table it copies (None: none sent yet)
     ids: list[int] = field(default_factory=list)  # the runner's copy
     frozen: int = 0  # entries before this one are full blocks: they can only fall out of the window
@@ -58,9 +59,9 @@ class _SentTable:
         while i < n and i < m and table[i].block_id == ids[i]:
             i += 1
         dead = self.dead
-        while dead < n and table[dead] is OUT_OF_WINDOW:
+        while self.windowed and dead < n and table[dead] is OUT_OF_WINDOW:
             dead += 1
-        self.frozen = min(frozen, n)
+        self.frozen = frozen if frozen < n else n
         if i == n == m and dead == self.dead:
             return None
         change = TableEdit(i, [b.block_id for b in table[i:]], self.dead, dead)
@@ -79,7 +80,10 @@ class RunnerView:
     """Builds each step's plain data for the runner (``schedule``) from what it was told before."""
 
     def __init__(self, kv_cache_manager: KVCacheManager) -> None:
-        self.groups = (kv_cache_manager, *kv_cache_manager.extra_groups)
+        self.kv = kv_cache_manager
+        self.extra_groups = kv_cache_manager.extra_groups
+        self.groups = (kv_cache_manager, *self.extra_groups)
+        self.windowed = [g.sliding_window is not None for g in self.groups]
         self.block_size = kv_cache_manager.block_size
         self._sent: dict[int, _SentSeq] = {}
 
@@ -104,29 +108,36 @@ class RunnerView:
             hi = min(end, seq.num_prompt_tokens - 1)
             if hi > lo:
                 lp_range = (lo, hi)
-        sample = end == seq.num_tokens
-        children = request.pending_children if sample and seq.index == 0 else []
+        num_tokens = seq.num_tokens
+        sample = end == num_tokens
+        forks = request.pending_children if sample and seq.index == 0 else None
         entry = ScheduledSeq(seq.seq_id, start, num_new, sample, lp_range,
-                             [ForkedSeq(c.seq_id, c.seed) for c in children], drafts)
-        self._send(seq, start, out)
-        for child in children:  # the runner copies the parent's state; the tables come next step
-            self._sent[child.seq_id] = _SentSeq(child.num_tokens, [_SentTable() for _ in self.groups])
+                             [ForkedSeq(c.seq_id, c.seed) for c in forks] if forks else [], drafts)
+        self._send(seq, start, num_tokens, out)
+        for child in forks or ():  # the runner copies the parent's state; the tables come next step
+            self._sent[child.seq_id] = _SentSeq(child.num_tokens, [_SentTable(w) for w in self.windowed])
         out.scheduled.append(entry)
         return entry
 
-    def _send(self, seq: Sequence, start: int, out: SchedulerOutput) -> None:
-        tables = [g.block_tables[seq.seq_id] for g in self.groups]
-        sent = self._sent.get(seq.seq_id)
+    def _send(self, seq: Sequence, start: int, num_tokens: int, out: SchedulerOutput) -> None:
+        seq_id = seq.seq_id
+        frozen = start // self.block_size
+        sent = self._sent.get(seq_id)
         if sent is None:
-            views = [_SentTable() for _ in tables]
-            ids = [view.copy(table, start // self.block_size) for view, table in zip(views, tables)]
-            self._sent[seq.seq_id] = _SentSeq(seq.num_tokens, views)
-            out.new_seqs.append(NewSeqData(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.params,
+            views = [_SentTable(w) for w in self.windowed]
+            ids = [view.copy(g.block_tables[seq_id], frozen) for view, g in zip(views, self.groups)]
+            self._sent[seq_id] = _SentSeq(num_tokens, views)
+            out.new_seqs.append(NewSeqData(seq_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.params,
                                            seq.seed, ids[0], tuple(ids[1:])))
             return
-        tokens = seq.token_slice(sent.num_tokens, seq.num_tokens) if seq.num_tokens > sent.num_tokens else []
-        sent.num_tokens = seq.num_tokens
-        frozen = start // self.block_size
-        edits = [view.edit(table, frozen) for view, table in zip(sent.tables, tables)]
-        if tokens or any(e is not None for e in edits):
-            out.cached_seqs.append(CachedSeqData(seq.seq_id, tokens, edits[0], tuple(edits[1:])))
+        tokens = seq.token_slice(sent.num_tokens, num_tokens) if num_tokens > sent.num_tokens else []
+        sent.num_tokens = num_tokens
+        edit = sent.tables[0].edit(self.kv.block_tables[seq_id], frozen)
+        changed = bool(tokens) or edit is not None
+        group_edits: tuple[TableEdit | None, ...] = ()
+        if self.extra_groups:
+            group_edits = tuple(view.edit(g.block_tables[seq_id], frozen)
+                                for view, g in zip(sent.tables[1:], self.extra_groups))
+            changed = changed or any(e is not None for e in group_edits)
+        if changed:
+            out.cached_seqs.append(CachedSeqData(seq_id, tokens, edit, group_edits))

@@ -366,7 +366,7 @@ class Scheduler:
                 seq.request.num_scored_prompt_tokens = item.prompt_logprobs_range[1]
             if not item.sample:
                 continue
-            children = [seqs[c.seq_id] for c in item.fork_children]
+            children = [seqs[c.seq_id] for c in item.fork_children] if item.fork_children else []
             for child in children:  # before the parent may finish and free its blocks
                 self._fork(seq, child)
             for s in (seq, *children):
