@@ -44,7 +44,7 @@ class _SentTable:
     dead: int = 0  # leading out-of-window entries the runner knows
 
     def copy(self, table: list[KVBlock], frozen: int) -> list[int]:
-        """Take ``table`` whole; returns its block ids (a list of the caller's)."""
+        """Take ``table`` whole; returns its block ids (a new list, the caller's to keep)."""
         self.source, self.ids = table, [b.block_id for b in table]
         self.dead, self.frozen = _leading_stand_ins(table), min(frozen, len(table))
         return list(self.ids)
