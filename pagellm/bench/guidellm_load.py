@@ -243,9 +243,11 @@ def table(medians: dict[str, list[Point]], repeats: int) -> str:
             b = base_by_key.get(p.key)
             x = (f"{p.output_tok_s / b.output_tok_s:.2f}" if b is not None and b.output_tok_s > 0 and comparable(p)
                  else "-")
+            done = p.completed > 0  # latencies of no finished request: shown as '-', not 0
+            ttft = [f"{p.ttft_ms[q]:.0f}" if done else "-" for q in ("p50", "p90", "p99")]
+            itl = [f"{p.itl_ms[q]:.1f}" if done else "-" for q in ("p50", "p90", "p99")]
             lines.append(f"{server:<14} {p.load:<26} {p.output_tok_s:>9.1f} {x:>11} {p.requests_per_s:>6.2f} "
-                         f"{p.ttft_ms['p50']:>9.0f} {p.ttft_ms['p90']:>8.0f} {p.ttft_ms['p99']:>8.0f} "
-                         f"{p.itl_ms['p50']:>8.1f} {p.itl_ms['p90']:>7.1f} {p.itl_ms['p99']:>7.1f} {p.completed:>5} "
+                         f"{ttft[0]:>9} {ttft[1]:>8} {ttft[2]:>8} {itl[0]:>8} {itl[1]:>7} {itl[2]:>7} {p.completed:>5} "
                          f"{p.errored:>5} {p.incomplete:>5}")
     return "\n".join(lines)
 

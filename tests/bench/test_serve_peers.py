@@ -78,6 +78,15 @@ def test_the_median_of_the_rounds_and_the_ratio_to_pagellm():
     assert [ln.split()[4] for ln in text.splitlines() if ln.startswith("llama-server")] == ["0.50", "0.50"]
 
 
+def test_a_server_that_finished_nothing_shows_no_latencies_and_a_ratio_of_zero():
+    (done, _) = gl.parse_report(SAMPLE["concurrent"], "concurrent")
+    stuck = gl.Point(**{**done.__dict__, "completed": 0, "incomplete": 24, "output_tok_s": 0.0, "requests_per_s": 0.0,
+                        "ttft_ms": {k: 0.0 for k in done.ttft_ms}, "itl_ms": {k: 0.0 for k in done.itl_ms}})
+    text = gl.table({"pagellm": [done], "llama-server": [stuck]}, 1)
+    row = next(ln.split() for ln in text.splitlines() if ln.startswith("llama-server"))
+    assert row[4] == "0.00" and row[6:12] == ["-"] * 6 and row[12:] == ["0", "0", "24"]
+
+
 def test_scenario_asks_for_the_workload_lengths_through_completions(tmp_path):
     spec = gl.scenario("http://h:1", "m", tmp_path, {"kind": "concurrent", "streams": [1, 8]}, 20.0, (32, 32),
                        (100, 300), 7, tmp_path / "r.json")["spec"]
