@@ -165,7 +165,7 @@ class LLMEngine:
         with phase("loading the weights"):
             self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format,
                                            self.max_model_len, shard=shard_for(0, world),
-                                           quantization=args.quantization)
+                                           quantization=args.quantization, batch_invariant=args.batch_invariant)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
         # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)

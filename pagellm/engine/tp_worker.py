@@ -51,7 +51,7 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     torch.manual_seed(args.seed)
     max_model_len = resolve_max_model_len(config, args.max_model_len)
     model = loader.load_model(files, config, dtype, device, args.load_format, max_model_len,
-                              shard=shard_for(rank, args.tensor_parallel_size))
+                              shard=shard_for(rank, args.tensor_parallel_size), batch_invariant=args.batch_invariant)
     num_blocks, max_model_len, num_cpu_blocks = receive_kv_cache_size(group)
     sized = dataclasses.replace(args, num_kv_blocks=num_blocks, max_model_len=max_model_len)
     cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len, num_cpu_blocks)

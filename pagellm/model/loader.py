@@ -20,8 +20,14 @@ from pagellm.kernels import native
 from pagellm.model import gguf_file
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.packed_linear import pack_linear_layers
-from pagellm.model.quant_linear import QUANTIZERS, QuantLinear, install_quantized, quantize_linear_layers
+from pagellm.model.quant_linear import (
+    QUANTIZERS,
+    QuantLinear,
+    install_quantized,
+    quantize_linear_layers,
+)
 from pagellm.model.registry import model_class_for
+from pagellm.model.row_padded_linear import pad_linear_rows
 from pagellm.text import plural
 
 logger = logging.getLogger(__name__)
@@ -245,10 +251,12 @@ def _no_random_init() -> Iterator[None]:
 def load_model(
     files: ModelFiles, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, load_format: str,
     max_position: int, shard: Callable[[LlamaForCausalLM], None] | None = None, quantization: str | None = None,
+    batch_invariant: bool = True,
 ) -> LlamaForCausalLM:
     """The model with its weights. ``shard``: cuts the model to one tensor-parallel rank's share, in
     place (distributed/sharding.py's ``shard_model_`` for that rank), from the whole weights before
-    they are packed. ``quantization``: as ``--quantization`` (model/quant_linear.py)."""
+    they are packed. ``quantization``: as ``--quantization``; ``batch_invariant``: as
+    ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device, files)
@@ -276,14 +284,16 @@ def load_model(
         shard(model)
     parts = getattr(model, "quantized_parts", None)
     if parts:
-        count = install_quantized(model, parts)
+        count = install_quantized(model, parts, batch_invariant)
         types = Counter(s.type_name for m in model.modules() if isinstance(m, QuantLinear) for s in m.segments)
         logger.info("%d linear layers keep the GGUF file's quantized blocks (%s)", count,
                     ", ".join(f"{n} {t}" for t, n in types.most_common()))
     if hasattr(model, "quantized_parts"):
         del model.quantized_parts
     if quantization in QUANTIZERS:
-        count = quantize_linear_layers(model, quantization)
+        count = quantize_linear_layers(model, quantization, batch_invariant)
         logger.info("quantized %d linear layers to %s at load", count, quantization)
     pack_linear_layers(model, dtype, device)
+    if batch_invariant and device.type == "cpu":
+        pad_linear_rows(model)  # the layers left to PyTorch's matmul
     return model

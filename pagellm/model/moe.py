@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM, dense_mlp
-from pagellm.model.quant_linear import QuantizedWeight
+from pagellm.model.quant_linear import QuantizedWeight, step_decode_rows
 
 
 class SparseMoeBlock(nn.Module):
@@ -73,13 +73,14 @@ class SparseMoeBlock(nn.Module):
         # Every slot belongs to exactly one expert, so every row is written below.
         weighted = torch.empty(num_tokens * self.top_k, hidden, dtype=out_dtype, device=x.device)
         start = 0
-        for expert, count in zip(self.experts, counts):
-            if count == 0:
-                continue  # no token picked this expert: it does not run
-            slots = order[start:start + count]  # (count,)
-            start += count
-            y = expert(x.index_select(0, slots // self.top_k))  # (count, hidden)
-            weighted.index_copy_(0, slots, y * flat_weights[slots])
+        with step_decode_rows(None):  # an expert's rows are gathered: the step's decodes are not first
+            for expert, count in zip(self.experts, counts):
+                if count == 0:
+                    continue  # no token picked this expert: it does not run
+                slots = order[start:start + count]  # (count,)
+                start += count
+                y = expert(x.index_select(0, slots // self.top_k))  # (count, hidden)
+                weighted.index_copy_(0, slots, y * flat_weights[slots])
         # Each token's top_k outputs summed in one reduction, in pick order, as transformers' default
         # experts implementation (grouped_mm) sums them (a bfloat16 sum accumulates in float32 and
         # rounds once).

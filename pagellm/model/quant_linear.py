@@ -1,18 +1,21 @@
 """Linear layers whose weights stay in GGUF's quantized block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K), run by the native kernels (``kernels/csrc/quant_blocks.h`` documents the formats).
 
-How they multiply (``PAGELLM_QUANT_ACTIVATIONS``): with int8 inputs, each input row is rounded to
-int8 per block of 32 and the products are integer dot products (``quant_linear_int8.c``), as llama.cpp
-and vLLM's GGUF kernels do: the kernel unpacks each weight block once per call whatever the number of
-rows, and gives each row the same result whatever else is in the batch. With float inputs the weights
-widen to float32 instead (``quant_linear.c``): the dequantized weight's product to float32 rounding,
-slower. ``decode``, the default, takes int8 inputs in decode-only steps run by the one-call decoder
-(``native_decode.py``: Llama-family models with pools in the model's dtype) and float inputs
-elsewhere, so that a prompt's first token is the dequantized model's (rounding a small model's prompt
-to int8 changes its answers: SmolLM2-135M no longer names Paris as France's capital); ``int8`` takes
-int8 inputs everywhere, ``float`` nowhere. The LM head, outside the one-call decoder, follows the
-same rule (``forward``'s ``decode_step``): a decode step of many sequences multiplies its large weight
-once for all of them, where float inputs above ``DIRECT_MAX_ROWS`` would dequantize it every step.
+How they multiply: with int8 inputs, each input row is rounded to int8 per block of 32 and the
+products are integer dot products (``quant_linear_int8.c``), as llama.cpp and vLLM's GGUF kernels do:
+the kernel unpacks each weight block once per call whatever the number of rows, and gives each row
+the same result whatever else is in the batch. With float inputs the weights widen to float32 instead
+(``quant_linear.c``, or one dequantization per call and PyTorch's matmul above ``DIRECT_MAX_ROWS``
+rows): closer to the dequantized model, slower, and a row's result depends on how many rows share
+the call.
+
+So the mode follows ``--batch-invariant`` (on by default): ``int8`` everywhere, where a request's
+tokens do not depend on the batch, the prefix cache or the prompt's chunking (and prompts run on the
+integer kernels, faster than float32's products); without it, ``decode``: int8 inputs in decode-only
+steps and float inputs elsewhere, so that a prompt's first token is the dequantized model's (rounding
+a small model's prompt to int8 changes some answers, as it does in llama.cpp). ``float`` takes float
+inputs everywhere. ``PAGELLM_QUANT_ACTIVATIONS`` overrides the choice (the tests against
+transformers set ``float``). The LM head follows the same rule (``forward``'s ``decode_step``).
 
 Where they come from:
 
@@ -32,6 +35,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,19 +47,36 @@ from torch import nn
 
 from pagellm.kernels import quant
 from pagellm.kernels.cpu_features import cpu_flags
+from pagellm.model.row_padded_linear import padded_rows
 
 logger = logging.getLogger(__name__)
 
 # ggml's type ids of the formats the kernels read.
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
-# Input rows up to which the kernels read the blocks directly, by int8 inputs or not: the integer kernel
-# unpacks each block once for all rows, so it always does; with float inputs, above 16 rows one
-# dequantization per call and a BLAS matmul are faster.
-DIRECT_MAX_ROWS = {True: 2**62, False: 16}
+# Prompt rows with float inputs under --no-batch-invariant: up to this many, the kernels read the blocks
+# directly; above, one dequantization per call and a BLAS matmul are faster. (The integer kernel
+# unpacks each block once for all rows: int8 inputs always read the blocks directly.)
+DIRECT_MAX_ROWS = 16
 ACTIVATIONS_ENV = "PAGELLM_QUANT_ACTIVATIONS"
 ACTIVATION_MODES = ("decode", "int8", "float")
+
+
 DEFAULT_ACTIVATIONS = "decode"
+# The current step's decode rows: the first this many rows of every call the model makes in the step
+# (the batch puts its one-token decodes first); set by the model's forward (``step_decode_rows``).
+_DECODE_ROWS: ContextVar[int | None] = ContextVar("pagellm_decode_rows", default=None)
+
+
+@contextmanager
+def step_decode_rows(count: int | None) -> Iterator[None]:
+    """Within it, quantized layers take the first ``count`` rows of each call as decodes (None: none;
+    a block that regroups rows, as MoE experts do, sets None)."""
+    token = _DECODE_ROWS.set(count)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
 
 
 def activation_mode() -> str:
@@ -93,9 +116,10 @@ class QuantLinear(nn.Module):
 
     bias: torch.Tensor | None
 
-    def __init__(self, segments: list[QuantizedWeight], bias: torch.Tensor | None, inputs: str | None = None
-                 ) -> None:
-        """``inputs``: one of ``ACTIVATION_MODES`` (None: ``PAGELLM_QUANT_ACTIVATIONS``'s)."""
+    def __init__(self, segments: list[QuantizedWeight], bias: torch.Tensor | None, inputs: str | None = None,
+                 batch_invariant: bool = True) -> None:
+        """``inputs``: one of ``ACTIVATION_MODES`` (None: ``PAGELLM_QUANT_ACTIVATIONS``'s);
+        ``batch_invariant``: as ``--batch-invariant`` (``_float_rows``)."""
         super().__init__()
         cols = {s.shape[1] for s in segments}
         if len(cols) != 1:
@@ -107,6 +131,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"inputs must be one of {', '.join(ACTIVATION_MODES)}, got {self.inputs!r}")
         # This layer's own forward (prompt tokens, mixed steps, models without the one-call decoder).
         self.int8_activations = self.inputs == "int8"
+        self.batch_invariant = batch_invariant
         self._multiply_16bit = bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
         for s in segments:
             quant.check_quantized(s.data, s.ggml_type, self.in_features)
@@ -130,32 +155,58 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, decode_step: bool = False
                 ) -> torch.Tensor:
         """x @ W.T + b in ``x``'s dtype, or ``out_dtype`` (float32 for logits). ``decode_step``: the rows
-        are a decode-only step's, which the ``decode`` mode multiplies with int8 inputs (the LM head's,
-        outside the one-call decoder: one pass over its weights for all the step's rows)."""
-        int8 = self.int8_activations or (decode_step and self.inputs == "decode")
+        are all decodes (the LM head of a decode-only step); otherwise the step's ``decode_rows`` say
+        which leading rows are. The ``decode`` mode multiplies decode rows with int8 inputs, in every
+        step, so that a decode's result is the same whether or not prompts share its step."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DIRECT_MAX_ROWS[int8]:
-            if rows.dtype != torch.float32 or rows.stride(1) != 1:
-                rows = rows.float().contiguous()
-            out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            if len(self._calls) == 1:
-                data, ggml_type, bias, _, _ = self._calls[0]
-                quant.quant_linear_checked(rows, data, ggml_type, bias, out, int8)
-            else:
-                for data, ggml_type, bias, begin, end in self._calls:
-                    quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8)
+        m = rows.shape[0]
+        # decode rows first: int8 inputs unless the mode is float, on the kernels' direct reads (a row's
+        # result is then the same in every step); prompt rows: int8 inputs in the int8 mode, else float.
+        split = m if decode_step or self.inputs == "int8" else min(m, _DECODE_ROWS.get() or 0)
+        if split == m:
+            out = self._direct(rows, int8=self.inputs != "float")
+        elif split == 0:
+            out = self._float_rows(rows)
         else:
-            weight = self.dequantized()
-            if rows.dtype != torch.float32 and self._multiply_16bit:
-                # a 16-bit model multiplies in its dtype, as it would unquantized, where the CPU computes it
-                out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
-            else:  # (elsewhere PyTorch emulates 16-bit products, many times slower than float32's)
-                out = F.linear(rows.float(), weight, self.bias)
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+            out[:split] = self._direct(rows[:split], int8=self.inputs != "float")
+            out[split:] = self._float_rows(rows[split:])
         dtype = out_dtype or x.dtype
         return (out if out.dtype == dtype else out.to(dtype)).view(*lead, self.out_features)
+
+    def _direct(self, rows: torch.Tensor, int8: bool) -> torch.Tensor:
+        """The kernels on the blocks themselves, float32 out."""
+        if rows.dtype != torch.float32 or rows.stride(1) != 1:
+            rows = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if len(self._calls) == 1:
+            data, ggml_type, bias, _, _ = self._calls[0]
+            quant.quant_linear_checked(rows, data, ggml_type, bias, out, int8)
+        else:
+            for data, ggml_type, bias, begin, end in self._calls:
+                quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8)
+        return out
+
+    def _float_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float inputs. Batch-invariant: always the dequantized weight's matmul, on at least
+        ``MIN_MATMUL_ROWS`` rows (row_padded_linear.py), so that a prompt token's result does not depend
+        on how many tokens share its chunk. Otherwise the kernels read
+        the blocks directly up to ``DIRECT_MAX_ROWS`` rows (no dequantization per call)."""
+        m = rows.shape[0]
+        if not self.batch_invariant and m <= DIRECT_MAX_ROWS:
+            return self._direct(rows, int8=False)
+        if self.batch_invariant:
+            rows = padded_rows(rows)
+        weight = self.dequantized()
+        if rows.dtype != torch.float32 and self._multiply_16bit:
+            # a 16-bit model multiplies in its dtype, as it would unquantized, where the CPU computes it
+            out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
+        else:  # (elsewhere PyTorch emulates 16-bit products, many times slower than float32's)
+            out = F.linear(rows.float(), weight, self.bias)
+        return out[:m]
 
     def extra_repr(self) -> str:
         types = "+".join(s.type_name for s in self.segments)
@@ -207,7 +258,7 @@ def quantizable(method: str, linear: nn.Module) -> bool:
     return isinstance(linear, nn.Linear) and linear.in_features % 32 == 0 and method in QUANTIZERS
 
 
-def quantize_linear_layers(model: nn.Module, method: str) -> int:
+def quantize_linear_layers(model: nn.Module, method: str, batch_invariant: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` (weights loaded) whose width is whole blocks by a
     ``QuantLinear`` quantized with ``method`` (int8 or q4_0); returns how many."""
     quantize = QUANTIZERS[method]
@@ -216,12 +267,14 @@ def quantize_linear_layers(model: nn.Module, method: str) -> int:
         for name, child in list(module.named_children()):
             if quantizable(method, child):
                 assert isinstance(child, nn.Linear)
-                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias))
+                module.add_module(name, QuantLinear([quantize(child.weight)], child.bias,
+                                                     batch_invariant=batch_invariant))
                 count += 1
     return count
 
 
-def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, QuantizedWeight]]]) -> int:
+def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, QuantizedWeight]]],
+                      batch_invariant: bool = True) -> int:
     """Replace the ``nn.Linear`` layers whose weights a GGUF file held quantized (``parts``: parameter
     name -> (first row, weight) pieces covering its rows) by ``QuantLinear`` layers; returns how many."""
     count = 0
@@ -235,6 +288,6 @@ def install_quantized(model: nn.Module, parts: dict[str, list[tuple[int, Quantiz
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if not isinstance(linear, nn.Linear) or sum(p.shape[0] for _, p in pieces) != linear.out_features:
             raise ValueError(f"quantized pieces of {name!r} do not make up its {type(linear).__name__}")
-        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias))
+        owner.add_module(child_name, QuantLinear([p for _, p in pieces], linear.bias, batch_invariant=batch_invariant))
         count += 1
     return count
