@@ -32,7 +32,7 @@ from pagellm.model.attention import AttentionMetadata, KVCache, OutputRows
 from pagellm.model.attention.torch_backend import soft_cap
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.llama import PER_LAYER_WINDOW_TYPES, Attention, LlamaForCausalLM, head_dim_of
-from pagellm.model.quant_linear import QuantLinear, step_decode_rows
+from pagellm.model.quant_linear import QuantLinear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")  # transformers' names of the tanh approximation
@@ -224,8 +224,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is None:
             return super().compute_logits(hidden, decode_step)
         if isinstance(self.lm_head, QuantLinear):
-            with step_decode_rows(self._decode_rows):
-                return soft_cap(self.lm_head(hidden, decode_step=decode_step), cap).float()
+            return soft_cap(self.lm_head(hidden, decode_step=decode_step), cap).float()
         return soft_cap(self.lm_head(hidden), cap).float()
 
 

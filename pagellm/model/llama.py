@@ -26,7 +26,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagellm.model.packed_linear import PackedLinear
-from pagellm.model.quant_linear import QuantizedWeight, QuantLinear, step_decode_rows
+from pagellm.model.quant_linear import QuantizedWeight, QuantLinear, step_prompt_rows
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -213,8 +213,6 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps run every layer in one call where the backend has a driver for these
         # layers (the native one: model/attention/native_decode.py; the same bits as the layers' forward).
         self._driver: StepDriver | None = None
-        # The last step's decode rows (the first rows of its batch), for quantized layers' inputs.
-        self._decode_rows: int | None = None
         self._driver_pools: list[KVCache] | None = None
 
     @classmethod
@@ -261,13 +259,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The final (normed) hidden states of every row, or of ``meta.output_rows``' rows in its order."""
         x = self.embed(input_ids)  # (num_tokens, hidden)
-        self._decode_rows = meta.num_decodes  # the LM head's too (compute_logits): decodes come first
         driver = self._step_driver(kv_caches)
         if driver is not None and driver.accepts(meta, x, positions):
             return driver(x, positions, meta)  # every layer and the last norm in one call
         residual = None
         last = len(self.layers) - 1
-        with step_decode_rows(meta.num_decodes):
+        with step_prompt_rows(meta.prompt_row_masks()):
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 x, residual = layer(positions, x, residual, kv_cache, meta, meta.output_rows if i == last else None)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
@@ -292,8 +289,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, PackedLinear):
             return self.lm_head(hidden, out_dtype=torch.float32)
         if isinstance(self.lm_head, QuantLinear):
-            with step_decode_rows(self._decode_rows):
-                return self.lm_head(hidden, decode_step=decode_step).float()
+            return self.lm_head(hidden, decode_step=decode_step).float()
         return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights

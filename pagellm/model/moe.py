@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from pagellm.model.layers import GatedMLP
 from pagellm.model.llama import LlamaForCausalLM, dense_mlp
-from pagellm.model.quant_linear import QuantizedWeight, step_decode_rows
+from pagellm.model.quant_linear import QuantizedWeight, step_prompt_rows
 
 
 class SparseMoeBlock(nn.Module):
@@ -73,7 +73,7 @@ class SparseMoeBlock(nn.Module):
         # Every slot belongs to exactly one expert, so every row is written below.
         weighted = torch.empty(num_tokens * self.top_k, hidden, dtype=out_dtype, device=x.device)
         start = 0
-        with step_decode_rows(None):  # an expert's rows are gathered: the step's decodes are not first
+        with step_prompt_rows(None):  # an expert's rows are gathered: not the step's
             for expert, count in zip(self.experts, counts):
                 if count == 0:
                     continue  # no token picked this expert: it does not run

@@ -60,23 +60,22 @@ TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 DIRECT_MAX_ROWS = 16
 ACTIVATIONS_ENV = "PAGELLM_QUANT_ACTIVATIONS"
 ACTIVATION_MODES = ("decode", "int8", "float")
-
-
 DEFAULT_ACTIVATIONS = "decode"
-# The current step's decode rows: the first this many rows of every call the model makes in the step
-# (the batch puts its one-token decodes first); set by the model's forward (``step_decode_rows``).
-_DECODE_ROWS: ContextVar[int | None] = ContextVar("pagellm_decode_rows", default=None)
+# Which rows of the current step's calls are prompt tokens: a bool mask per row count the step's calls
+# have (every row, then the last layer's kept rows), () where none is; None outside a step (and in
+# blocks that regroup rows, as MoE experts do). Set by the model's forward and the runner's LM head
+# call (``step_prompt_rows``).
+_PROMPT_ROWS: ContextVar[tuple[torch.Tensor, ...] | None] = ContextVar("pagellm_prompt_rows", default=None)
 
 
 @contextmanager
-def step_decode_rows(count: int | None) -> Iterator[None]:
-    """Within it, quantized layers take the first ``count`` rows of each call as decodes (None: none;
-    a block that regroups rows, as MoE experts do, sets None)."""
-    token = _DECODE_ROWS.set(count)
+def step_prompt_rows(masks: tuple[torch.Tensor, ...] | None) -> Iterator[None]:
+    """Within it, quantized layers take a call's prompt rows from the mask of its row count."""
+    token = _PROMPT_ROWS.set(masks)
     try:
         yield
     finally:
-        _DECODE_ROWS.reset(token)
+        _PROMPT_ROWS.reset(token)
 
 
 def activation_mode() -> str:
@@ -155,27 +154,36 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, decode_step: bool = False
                 ) -> torch.Tensor:
         """x @ W.T + b in ``x``'s dtype, or ``out_dtype`` (float32 for logits). ``decode_step``: the rows
-        are all decodes (the LM head of a decode-only step); otherwise the step's ``decode_rows`` say
-        which leading rows are. The ``decode`` mode multiplies decode rows with int8 inputs, in every
-        step, so that a decode's result is the same whether or not prompts share its step."""
+        are generated tokens, where no step says which rows are prompt tokens (``step_prompt_rows``).
+        The ``decode`` mode multiplies generated tokens' rows with int8 inputs and prompt tokens' with
+        float ones, whatever else shares the step."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input of {x.shape[-1]} features to a linear layer of {self.in_features}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        # decode rows first: int8 inputs unless the mode is float, on the kernels' direct reads (a row's
-        # result is then the same in every step); prompt rows: int8 inputs in the int8 mode, else float.
-        split = m if decode_step or self.inputs == "int8" else min(m, _DECODE_ROWS.get() or 0)
-        if split == m:
+        # Generated tokens: int8 inputs unless the mode is float, on the kernels' direct reads (a row's
+        # result is the same in every step). Prompt tokens: int8 inputs in the int8 mode, else float.
+        prompt = self._prompt_mask(rows.shape[0], decode_step)
+        if prompt is None:
             out = self._direct(rows, int8=self.inputs != "float")
-        elif split == 0:
+        elif bool(prompt.all()):
             out = self._float_rows(rows)
         else:
-            out = torch.empty(m, self.out_features, dtype=torch.float32)
-            out[:split] = self._direct(rows[:split], int8=self.inputs != "float")
-            out[split:] = self._float_rows(rows[split:])
+            out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            generated = ~prompt
+            out[generated] = self._direct(rows[generated], int8=self.inputs != "float")
+            out[prompt] = self._float_rows(rows[prompt])
         dtype = out_dtype or x.dtype
         return (out if out.dtype == dtype else out.to(dtype)).view(*lead, self.out_features)
+
+    def _prompt_mask(self, m: int, decode_step: bool) -> torch.Tensor | None:
+        """Which of a call's ``m`` rows take the prompt's inputs (None: none of them)."""
+        if self.inputs == "int8":
+            return None
+        masks = _PROMPT_ROWS.get()
+        if masks is None:  # no step's rows: decode_step says which
+            return None if decode_step else torch.ones(m, dtype=torch.bool)
+        return next((mask for mask in masks if mask.shape[0] == m), None)
 
     def _direct(self, rows: torch.Tensor, int8: bool) -> torch.Tensor:
         """The kernels on the blocks themselves, float32 out."""

@@ -27,6 +27,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.attention.metadata import long_tensor
 from pagellm.model.llama import Attention
+from pagellm.model.quant_linear import step_prompt_rows
 from pagellm.structured_output import GrammarMask, StructuredOutputManager
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.request_state import RequestStates, SeqState
@@ -185,6 +186,7 @@ class ModelRunner:
             attn.decode = self.prepare_decode(decodes)
             attn.decode_seq_lens = [it.start + 1 + i for it, _ in decodes for i in range(it.num_new_tokens)]
         attn.prefills = self.prepare_prefill(items[len(decodes):], num_decodes)
+        attn.prompt_rows = prompt_rows(items)
         if self.num_groups > 1:  # (no drafts with several groups: one row per decode)
             attn.group_metas = [attn, *(self.prepare_group(items, len(decodes), positions, attn, g)
                                         for g in range(1, self.num_groups))]
@@ -309,9 +311,14 @@ class ModelRunner:
     def run_model(self, batch: StepBatch) -> torch.Tensor:
         """[num_samples + num_scored, vocab] float32 logits."""
         hidden = self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+        prompt = batch.attn.prompt_rows
+        if batch.attn.output_rows is not None and prompt is not None:
+            prompt = prompt[batch.attn.output_rows.rows]
         if batch.logits_rows is not None:
             hidden = hidden[batch.logits_rows]
-        return self.model.compute_logits(hidden, decode_step=not batch.attn.prefills)
+            prompt = None if prompt is None else prompt[batch.logits_rows]
+        with step_prompt_rows(() if prompt is None else (prompt,)):
+            return self.model.compute_logits(hidden, decode_step=prompt is None)
 
     def sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
                grammar: GrammarMask | None = None) -> ModelRunnerOutput:
@@ -348,6 +355,19 @@ class ModelRunner:
                                   for e, tgt in zip(chunk, targets)]
             offset += count
         return out
+
+
+def prompt_rows(items: list[Chunk]) -> torch.Tensor | None:
+    """[num_tokens] bool, in batch order: which rows are prompt tokens (None: none is, as in a step of
+    decodes). A one-token row can be the prompt's last token (the rest was cached), and a prefill
+    chunk can hold generated tokens (recomputed after a preemption)."""
+    if all(it.start >= len(state.prompt_token_ids) for it, state in items):
+        return None
+    flags: list[bool] = []
+    for it, state in items:
+        prompt_len = len(state.prompt_token_ids)
+        flags.extend(p < prompt_len for p in range(it.start, it.start + it.num_new_tokens))
+    return torch.tensor(flags, dtype=torch.bool)
 
 
 def is_decode(it: ScheduledSeq) -> bool:

@@ -84,10 +84,22 @@ class AttentionMetadata:
     # its own pool and block tables): every group's metadata, this one first (group 0); the others
     # have their own slots, decode tables and prefill spans. None: one group.
     group_metas: list[AttentionMetadata] | None = None
+    # [num_tokens] bool: the rows that are prompt tokens (quantized layers take their inputs by it:
+    # model/quant_linear.py); None: none is.
+    prompt_rows: torch.Tensor | None = None
 
     @property
     def num_decodes(self) -> int:
         return 0 if self.decode is None else self.decode.num
+
+    def prompt_row_masks(self) -> tuple[torch.Tensor, ...]:
+        """``prompt_rows`` for every row, then for the last layer's kept rows; () where no row is a
+        prompt token."""
+        if self.prompt_rows is None:
+            return ()
+        if self.output_rows is None:
+            return (self.prompt_rows,)
+        return self.prompt_rows, self.prompt_rows[self.output_rows.rows]
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of the layers of KV cache group ``group`` (this one where there is one group)."""

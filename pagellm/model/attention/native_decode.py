@@ -60,6 +60,9 @@ class NativeDecoder:
     are packed for the native kernel (``pagellm_decode_layers``); ``QuantizedDecoder`` those whose
     linears keep quantized blocks."""
 
+    # How the quantized layers take their inputs (quant_linear.py's modes; "float" for 16-bit layers).
+    inputs = "float"
+
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pools = [(k, v) for k, v in kv_caches]
         # Every tensor the layer table points into, held so that its memory lives as long as the
@@ -159,6 +162,7 @@ class NativeDecoder:
         positions, slots, tables)."""
         d = meta.decode
         return (isinstance(d, DecodeBatch) and not meta.prefills and d.num == x.shape[0]
+                and (meta.prompt_rows is None or self.inputs != "decode")  # (a prompt's last token: float)
                 and x.dtype == self.dtype and x.is_contiguous()
                 and all(t.dtype == torch.int64 and t.is_contiguous()
                         for t in (positions, meta.slot_mapping, d.tables, d.lens)))
@@ -202,7 +206,8 @@ class QuantizedDecoder(NativeDecoder):
 
     def _layer_table(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[Any]:
         # One mode for the whole step, the one every decoder layer's QuantLinear took at load.
-        self.int8_activations = _linears(model.layers[0])[0].inputs != "float"
+        self.inputs = _linears(model.layers[0])[0].inputs
+        self.int8_activations = self.inputs != "float"
         layers = (quant.DecodeQuantLayer * len(model.layers))()
         for slot, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_caches):
             qkv, o, gate_up, down = _linears(layer)
