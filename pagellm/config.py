@@ -175,9 +175,10 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "share the KV blocks of common prompt prefixes between requests"))
     batch_invariant: bool = field(default=True, metadata=_flag(
-        "a request's tokens do not depend on what else is in the batch, the prefix cache or how its prompt "
-        "is chunked: quantized layers take int8 inputs in every step; --no-batch-invariant takes float inputs "
-        "outside decode-only steps (prompts closer to the dequantized model's, slower)"))
+        "a request's tokens do not depend on what else is in the batch, the prefix cache, preemption or how "
+        "its prompt is chunked: PyTorch's matmuls never get fewer than 16 rows (BLAS sums small row counts "
+        "differently); --no-batch-invariant lets short prompt chunks run unpadded and read quantized blocks "
+        "directly"))
     preload_prompts: str | list[str] | None = field(default=None, metadata=_flag(
         "prompts whose KV is computed at start-up and pinned (a JSON list or one prompt per line)",
         metavar="FILE"))
