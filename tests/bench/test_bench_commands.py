@@ -203,12 +203,13 @@ def test_engine_flags_at_their_usual_values_are_still_refused_with_base_url(tmp_
 
 
 def test_a_launched_pagellm_server_gets_the_engine_flags():
-    from pagellm.bench.serve import _pagellm_command, resolve_engine_flags
+    from pagellm.bench.serve import resolve_engine_flags
+    from pagellm.bench.serve_launch import pagellm_command
     from pagellm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["bench", "serve", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
     resolve_engine_flags(args, ["pagellm"])
-    cmd = _pagellm_command("/m", 9000, args)
+    cmd = pagellm_command("/m", 9000, args)
     assert cmd[cmd.index("--max-num-seqs") + 1] == "8" and cmd[cmd.index("--max-num-batched-tokens") + 1] == "512"
     assert cmd[cmd.index("--block-size") + 1] == "16" and cmd[cmd.index("--kv-cache-memory") + 1] == "2GiB"
 
