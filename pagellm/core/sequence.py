@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagellm.core.token_lists import TokenLists
 from pagellm.outputs import RequestMetrics
 
 if TYPE_CHECKING:  # core stays importable without torch
@@ -48,7 +49,7 @@ def child_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed * 1_000_003 + index) % 2**63
 
 
-class Sequence:
+class Sequence(TokenLists):
     """One generated continuation of a prompt: the unit the scheduler and cache see.
 
     ``num_computed_tokens`` counts the tokens whose K/V is in the cache; the
@@ -82,14 +83,6 @@ class Sequence:
         return self.request.sampling_params
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -101,13 +94,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def token_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:  # a decode: no copy of the whole prompt
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def __repr__(self) -> str:
         return (

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagellm.core.sched_output import ForkedSeq, NewSeqData, SchedulerOutput, apply_table_edit
+from pagellm.core.token_lists import TokenLists
 from pagellm.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)
-class SeqState:
+class SeqState(TokenLists):
     """One sequence as the runner knows it (the worker's counterpart of core's ``Sequence``)."""
 
     seq_id: int
@@ -47,24 +48,9 @@ class SeqState:
         return self.sampling_params
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:  # a decode: no copy of the whole prompt
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
 
 class RequestStates:
