@@ -48,7 +48,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert manager.num_free_blocks == manager.num_blocks, (
         f"{manager.num_blocks - manager.num_free_blocks} blocks still in use after all requests ended"
     )
-    assert not manager.block_tables
+    assert not any(g.block_tables or g.cpu_tables for g in manager.groups)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.step() == []
     assert not len(llm.llm_engine.model_runner.requests)

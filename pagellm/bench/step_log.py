@@ -71,7 +71,7 @@ class StepLog:
         """After the scheduler's update: the KV blocks in use (and, at a new high, fragmentation)."""
         record = self.records[-1]
         manager = engine.kv_cache_manager
-        record.kv_blocks_in_use = manager.pool.num_used_blocks
+        record.kv_blocks_in_use = manager.num_used_blocks
         if record.kv_blocks_in_use > self._high:
             self._high = record.kv_blocks_in_use
             record.kv_fragmentation = engine.kv_cache_stats().internal_fragmentation

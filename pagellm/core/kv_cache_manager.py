@@ -1,264 +1,149 @@
-"""Block tables on top of the block pool.
+"""The KV cache of every group at once: one ``KVGroupManager`` per KV cache group, coordinated.
 
-Blocks are allocated as a sequence grows, shared through the prefix cache (full
-blocks, found by their chained hash) and through forks (``n > 1``), copied on
-the first write into a shared partial block, and pinned for preloaded prefixes.
+A model's layers form KV cache groups by the way they attend (``kv_groups.py``): most models have one
+group, every layer reading the same block tables; Gemma's sliding-window and full-attention layers
+form two, each with a pool, block tables and a prefix cache of its own (vLLM's hybrid KV cache
+coordinator, in its simplest form). A model with one group is the case N = 1: every operation below
+runs over all the groups, and there is no path of its own for the first.
+
+Every operation is all-or-nothing over the groups: a sequence is admitted, continued or swapped in
+only when every group can give its blocks; preemption, forks, finishing, pins and prefix caching
+apply to each group. A prefix-cache hit is a ``KVCacheBlocks``: each group's table prefix for the
+longest hit every group can serve (a sliding group needs only the blocks its window reads at the
+hit's end).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from pagellm.core.block_pool import BlockKey, BlockPool, KVBlock, hash_block_key
-from pagellm.core.sched_output import OUT_OF_WINDOW_ID, BlockMoves
+from pagellm.core.block_pool import KVBlock
+from pagellm.core.kv_group_manager import OUT_OF_WINDOW, KVCacheStats, KVGroupManager, cdiv, is_held
+from pagellm.core.sched_output import BlockMoves
 from pagellm.core.sequence import Sequence
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["OUT_OF_WINDOW", "KVCacheBlocks", "KVCacheManager", "KVCacheStats", "cdiv", "is_held"]
 
 
-@dataclass
-class KVCacheStats:
-    """A memory report of the KV cache (``LLM.kv_cache_stats()``)."""
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """A prefix-cache hit in every KV cache group: ``blocks[group][i]``, as many blocks in each group
+    (a sliding group's leading entries may be ``OUT_OF_WINDOW`` stand-ins)."""
 
-    block_size: int
-    total_blocks: int
-    free_blocks: int
-    in_use_blocks: int
-    cached_blocks: int  # free, but still holding a reusable prefix
-    pinned_blocks: int
-    logical_tokens: int  # K/V entries the sequences see (shared blocks counted once per holder)
-    physical_slots_used: int  # slots that hold a token's K/V, each physical slot once
-    allocated_slots: int  # slots of the blocks in use
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found
-    peak_in_use_blocks: int
-
-    @property
-    def saved_by_sharing_slots(self) -> int:
-        """Slots that sharing saved: what separate copies would need beyond what is used."""
-        return max(0, self.logical_tokens - self.physical_slots_used)
-
-    @property
-    def internal_fragmentation(self) -> float:
-        """Allocated but unused slots, as a fraction of allocated slots."""
-        if not self.allocated_slots:
-            return 0.0
-        return (self.allocated_slots - self.physical_slots_used) / self.allocated_slots
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-# Stands in a block table for a block that fell out of the attention window and went back to the pool:
-# the table keeps its logical positions, and the id (0) is one the kernels may read but never use.
-OUT_OF_WINDOW = KVBlock(OUT_OF_WINDOW_ID)
-
-
-def is_held(block: KVBlock) -> bool:
-    """Whether a table entry holds a block of the pool (not the out-of-window stand-in)."""
-    return block is not OUT_OF_WINDOW
-
-
-class KVCacheManager:
-    """Maps each sequence to its block table and keeps the pool's counts honest.
-
-    With ``sliding_window`` (a model whose every layer attends to the last ``sliding_window`` tokens
-    only), the leading blocks no later query can see go back to the pool as a sequence grows
-    (``free_out_of_window``), their table entries replaced by ``OUT_OF_WINDOW``.
-
-    This is one KV cache group: every layer of the model reads these tables. A model whose layers
-    attend differently (Gemma's sliding and full-attention layers) has one per group
-    (``kv_groups.HybridKVCacheManager``).
-    """
-
-    # The managers of the model's other KV cache groups (kv_groups.HybridKVCacheManager): none here,
-    # so the scheduler's per-group work costs one truth test.
-    extra_groups: tuple[KVCacheManager, ...] = ()
-
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0,
-        sliding_window: int | None = None, switch_length: int | None = None,
-    ) -> None:
-        self.block_size = block_size
-        self.sliding_window = sliding_window
-        # A longrope model's switch (phi3.longrope_switch_length): blocks of sequences past it hold
-        # other keys than the same tokens' blocks of shorter sequences.
-        self.switch_length = switch_length
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[int, list[KVBlock]] = {}
-        # The swap pool in host memory, and the CPU block tables of swapped-out sequences.
-        self.cpu_pool: BlockPool | None = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
-        self.cpu_tables: dict[int, list[KVBlock]] = {}
-        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, CPU block)
-        self.pending_swap_in: list[tuple[int, int]] = []  # (CPU block, device block)
-        # How many leading blocks of each sequence are registered in the prefix cache.
-        self._num_hashed: dict[int, int] = {}
-        self.pinned: list[KVBlock] = []
-        # (src, dst) block copies that copy-on-write asked for; the scheduler hands them to the worker.
-        self.pending_copies: list[tuple[int, int]] = []
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.peak_used_blocks = 0
+    blocks: tuple[tuple[KVBlock, ...], ...]
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return len(self.blocks[0])
+
+    def __bool__(self) -> bool:
+        return self.num_blocks > 0
+
+
+class KVCacheManager:
+    """Block tables over the model's KV cache groups: owns one ``KVGroupManager`` per group (``groups``)
+    and the prefix cache's counters, and answers for all the groups at once.
+
+    ``num_blocks``, ``num_cpu_blocks`` and ``sliding_window`` are per group (a sequence of them), or one
+    value for a model with one group. Invariants: a sequence holds blocks in every group or in none; it
+    is swapped out in every group or in none; every group's own invariants hold (``assert_consistent``).
+    """
+
+    def __init__(
+        self, num_blocks: int | Seq[int], block_size: int, enable_prefix_caching: bool = False,
+        num_cpu_blocks: int | Seq[int] = 0, sliding_window: int | None | Seq[int | None] = None,
+        switch_length: int | None = None,
+    ) -> None:
+        sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        cpu = [num_cpu_blocks] * len(sizes) if isinstance(num_cpu_blocks, int) else list(num_cpu_blocks)
+        windows = ([sliding_window] * len(sizes) if sliding_window is None or isinstance(sliding_window, int)
+                   else list(sliding_window))
+        if not sizes or not len(sizes) == len(cpu) == len(windows):
+            raise ValueError(f"KV cache groups need one pool size, swap pool size and window each: got {sizes}, "
+                             f"{cpu} and {windows}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.groups = tuple(KVGroupManager(n, block_size, enable_prefix_caching, num_cpu_blocks=c,
+                                           sliding_window=w, switch_length=switch_length)
+                            for n, c, w in zip(sizes, cpu, windows))
+        self._switch_length = switch_length
+        self.no_hit = KVCacheBlocks(tuple(() for _ in self.groups))
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # prompt tokens found
+
+    # A longrope model's switch (phi3.longrope_switch_length): every group keys its blocks alike (the
+    # keys are memoised on the sequence, once for all groups).
+    @property
+    def switch_length(self) -> int | None:
+        return self._switch_length
+
+    @switch_length.setter
+    def switch_length(self, value: int | None) -> None:
+        self._switch_length = value
+        for group in self.groups:
+            group.switch_length = value
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks of every group."""
+        return sum(g.num_blocks for g in self.groups)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        return sum(g.num_free_blocks for g in self.groups)
 
     @property
-    def num_sequences_with_blocks(self) -> int:
-        """Sequences that hold device blocks now."""
-        return sum(1 for table in self.block_tables.values() if table)
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return sum(g.cpu_pool.num_blocks for g in self.groups if g.cpu_pool is not None)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(g.pinned) for g in self.groups)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (0.0 to 1.0)."""
-        return self.pool.num_used_blocks / self.pool.num_blocks
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def num_sequences_with_blocks(self) -> int:
+        """Sequences that hold device blocks now."""
+        return self.groups[0].num_sequences_with_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(seq.seq_id, ())]
+    def block_ids(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s block table in each group, as block ids."""
+        return [g.block_table(seq) for g in self.groups]
 
-    def free_out_of_window(self, seq: Sequence) -> int:
-        """Return the leading blocks of ``seq`` that no query from its next token on can attend
-        (every position in them at least ``sliding_window`` before it); returns how many."""
-        table = self.block_tables.get(seq.seq_id)
-        if self.sliding_window is None or not table:
-            return 0
-        dead = min(max(0, seq.num_computed_tokens - self.sliding_window) // self.block_size, len(table))
-        # Stand-ins always form a prefix of the table: walk back from the last dead block to it, so a
-        # step costs only the blocks it frees.
-        freed = []
-        i = dead - 1
-        while i >= 0 and is_held(table[i]):
-            freed.append(table[i])
-            table[i] = OUT_OF_WINDOW
-            i -= 1
-        self.pool.free(freed)
-        return len(freed)
+    def holds_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.groups[0].block_tables
 
-    # ---------------------------------------------------------- prefix keys
-    def block_key(self, seq: Sequence, index: int) -> tuple[int, BlockKey]:
-        """(hash, key) of the ``index``-th full block of ``seq``, memoised on the sequence."""
-        keys = seq.block_keys
-        bs = self.block_size
-        while len(keys) <= index:
-            i = len(keys)
-            parent = keys[i - 1][0] if i else None
-            # Extra keys (the cache salt; the side of a longrope switch the sequence is on) enter the
-            # first block, and through the chain all others.
-            extra: object = None
-            if i == 0:
-                extra = seq.request.cache_salt
-                if self.switch_length is not None and seq.num_tokens > self.switch_length:
-                    extra = (extra, "long")
-            key = (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)), extra)
-            keys.append((hash_block_key(key), key))
-        return keys[index]
+    # ---------------------------------------------------------------- prefix
+    def find_cached_prefix(self, seq: Sequence) -> KVCacheBlocks:
+        """The longest prefix-cache hit for ``seq``'s tokens valid in every group; no side effects.
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
-        """The longest run of cached blocks for ``seq``'s tokens; no side effects.
-
-        A hit covers at most ``num_tokens - 1`` tokens: the last one is always computed,
-        so there are logits to sample from.
+        A hit covers at most ``num_tokens - 1`` tokens: the last one is always computed, so there
+        are logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return []
-        hits: list[KVBlock] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            h, key = self.block_key(seq, i)
-            block = self.pool.lookup(h, key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self._hit(seq, (seq.num_tokens - 1) // self.block_size)
 
-    # ------------------------------------------------------------ allocation
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more K/V entries of ``seq``.
-
-        ``cached`` (for a sequence without blocks) are prefix-cache hits to adopt first;
-        they advance ``num_computed_tokens``. Returns False, changing nothing, if the pool is short.
-        """
-        cached = cached or []
-        computed, needed, cow_block, blocks = self.plan_slots(seq, num_new_tokens, cached)
-        if blocks > self.pool.num_free_blocks:
-            return False
-        self.commit_slots(seq, cached, computed, needed, cow_block)
-        if cached:
-            seq.num_computed_tokens = computed
-        return True
-
-    def plan_slots(self, seq: Sequence, num_new_tokens: int,
-                   cached: list[KVBlock]) -> tuple[int, int, KVBlock | None, int]:
-        """What ``allocate_slots`` would do, changing nothing: (tokens computed once the hits are adopted,
-        blocks to append, the shared block to copy before writing or None, free blocks it all takes)."""
-        table = self.block_tables.get(seq.seq_id)
-        assert not cached or not table, "prefix hits are only adopted by a sequence without blocks"
-        held = len(table or ()) + len(cached)
-        computed = seq.num_computed_tokens + len(cached) * self.block_size
-        needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
-        cow_block = self._shared_block_to_write(seq, computed)
-        # Free-but-cached hits leave the free queue (out-of-window stand-ins among the hits take nothing).
-        revived = sum(1 for b in cached if b.ref_cnt == 0 and is_held(b))
-        return computed, needed, cow_block, needed + (cow_block is not None) + revived
-
-    def commit_slots(self, seq: Sequence, cached: list[KVBlock], computed: int, needed: int,
-                     cow_block: KVBlock | None) -> None:
-        """Carry out a plan of ``plan_slots`` (the caller checked the pool has its blocks); the caller
-        advances ``num_computed_tokens`` past adopted hits."""
-        table = self.block_tables.get(seq.seq_id)
-        if table is None:
-            table = self.block_tables[seq.seq_id] = []
-        for block in cached:
-            if is_held(block):
-                self.pool.touch(block)
-        table.extend(cached)
-        if cached:
-            self._num_hashed[seq.seq_id] = len(cached)
-        if cow_block is not None:
-            self._copy_on_write(table, computed // self.block_size)
-        if needed:
-            table.extend(self.pool.allocate(needed))
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-
-    def num_blocks_to_admit(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
-        """Free blocks that admitting ``seq`` with these prefix hits would take."""
-        computed = seq.num_computed_tokens + len(cached) * self.block_size
-        held = len(self.block_tables.get(seq.seq_id, ())) + len(cached)
-        revived = sum(1 for b in cached if b.ref_cnt == 0 and is_held(b))
-        return max(0, self.blocks_for(computed + num_new_tokens) - held) + revived
-
-    def can_admit(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock], reserve: int) -> bool:
-        """Whether admitting ``seq`` with these prefix hits leaves ``reserve`` blocks free."""
-        return self.num_blocks_to_admit(seq, num_new_tokens, cached) + reserve <= self.pool.num_free_blocks
-
-    def _shared_block_to_write(self, seq: Sequence, computed: int) -> KVBlock | None:
-        """The partially filled block the next token goes into, if other tables hold it too."""
-        if computed % self.block_size == 0:
-            return None  # the next token starts a fresh block
-        table = self.block_tables.get(seq.seq_id) or []
-        index = computed // self.block_size
-        if index < len(table) and table[index].ref_cnt > 1:
-            return table[index]
-        return None
-
-    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
-        old = table[index]
-        (new,) = self.pool.allocate(1)
-        self.pending_copies.append((old.block_id, new.block_id))
-        table[index] = new
-        self.pool.free([old])
+    def _hit(self, seq: Sequence, limit: int) -> KVCacheBlocks:
+        """Each group's usable hit of at most ``limit`` blocks, cut to the shortest until they agree."""
+        if not self.enable_prefix_caching or limit <= 0:
+            return self.no_hit
+        while True:
+            hits = [g.usable_hit(seq, limit) for g in self.groups]
+            shortest = min(len(h) for h in hits)
+            if all(len(h) == shortest for h in hits):
+                return KVCacheBlocks(tuple(tuple(h) for h in hits))
+            limit = shortest
 
     def count_prefix_query(self, seq: Sequence, hit_tokens: int) -> None:
         """Prefix-cache stats, in tokens; a preempted sequence's recompute is not a query."""
@@ -266,179 +151,109 @@ class KVCacheManager:
         self.prefix_cache_hits += hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register ``seq``'s newly filled blocks in the prefix cache (their tokens are final)."""
-        if not self.enable_prefix_caching:
-            return
-        table = self.block_tables.get(seq.seq_id)
-        if not table:
-            return
-        done = self._num_hashed.get(seq.seq_id, 0)
-        full = min(seq.num_computed_tokens // self.block_size, len(table))
-        for i in range(done, full):
-            h, key = self.block_key(seq, i)
-            if is_held(table[i]):
-                self.pool.cache_block(table[i], h, key)
-        self._num_hashed[seq.seq_id] = max(done, full)
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` shares every block of ``parent`` (partial last one included) and its progress."""
-        assert child.seq_id not in self.block_tables
-        table = self.block_tables.get(parent.seq_id, [])
-        for block in table:
-            if is_held(block):
-                self.pool.touch(block)
-        self.block_tables[child.seq_id] = list(table)
-        self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
-        child.block_keys = list(parent.block_keys)
-        child.num_computed_tokens = parent.num_computed_tokens
-
-    def free(self, seq: Sequence) -> int:
-        """Return every block of ``seq`` (device and CPU); the tail goes first so a prefix outlives it."""
-        self._num_hashed.pop(seq.seq_id, None)
-        cpu_table = self.cpu_tables.pop(seq.seq_id, None)
-        if cpu_table and self.cpu_pool is not None:
-            self.cpu_pool.free([b for b in cpu_table if is_held(b)])
-        table = [b for b in self.block_tables.pop(seq.seq_id, None) or () if is_held(b)]
-        if not table:
-            return 0
-        self.pool.free(reversed(table))
-        return len(table)
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
-    # ------------------------------------------------------------------ swap
-    def can_swap_out(self, seq: Sequence) -> bool:
-        held = [b for b in self.block_tables.get(seq.seq_id) or () if is_held(b)]
-        return self.cpu_pool is not None and bool(held) and self.cpu_pool.num_free_blocks >= len(held)
-
-    def swap_out(self, seq: Sequence) -> int:
-        """Move ``seq``'s blocks to the CPU pool and free its device blocks; returns the blocks moved
-        (out-of-window entries stay stand-ins on the CPU side too)."""
-        assert self.cpu_pool is not None
-        table = self.block_tables.pop(seq.seq_id)
-        held = [b for b in table if is_held(b)]
-        cpu_blocks = iter(self.cpu_pool.allocate(len(held)))
-        cpu_table = [next(cpu_blocks) if is_held(b) else OUT_OF_WINDOW for b in table]
-        self.pending_swap_out.extend((d.block_id, c.block_id) for d, c in zip(table, cpu_table) if is_held(d))
-        self.cpu_tables[seq.seq_id] = cpu_table
-        # The device blocks keep their prefix hashes: their contents stay valid until reused.
-        self.pool.free(reversed(held))
-        self._num_hashed.pop(seq.seq_id, None)
-        return len(held)
-
-    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
-        """Bring ``seq``'s blocks back into fresh device blocks, keeping ``reserve`` free; False if short."""
-        assert self.cpu_pool is not None
-        cpu_table = self.cpu_tables[seq.seq_id]
-        held = [c for c in cpu_table if is_held(c)]
-        if len(held) + reserve > self.pool.num_free_blocks:
-            return False
-        del self.cpu_tables[seq.seq_id]
-        device_blocks = iter(self.pool.allocate(len(held)))
-        table = [next(device_blocks) if is_held(c) else OUT_OF_WINDOW for c in cpu_table]
-        self.pending_swap_in.extend((c.block_id, d.block_id) for c, d in zip(cpu_table, table) if is_held(c))
-        self.cpu_pool.free(held)
-        self.block_tables[seq.seq_id] = table
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
-        return True
-
-    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        out, self.pending_swap_out = self.pending_swap_out, []
-        into, self.pending_swap_in = self.pending_swap_in, []
-        return out, into
-
-    def take_block_moves(self) -> BlockMoves:
-        """(swap out, swap in, copy): every block move asked for since the last call."""
-        out, into = self.take_pending_swaps()
-        return out, into, self.take_pending_copies()
-
-    # ------------------------------------------------------------------ pins
-    def pin(self, blocks: list[KVBlock]) -> None:
-        """Hold ``blocks`` (a preloaded prefix) so eviction never takes them."""
-        for block in blocks:
-            self.pool.touch(block)
-            self.pinned.append(block)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        """Register ``seq``'s newly filled blocks in every group's prefix cache (their tokens are final)."""
+        for group in self.groups:
+            group.cache_full_blocks(seq)
 
     def pin_prompt(self, seq: Sequence) -> int:
-        """Pin the cached full blocks of ``seq``'s prompt, from its first block up to the first one not
-        cached; returns how many."""
-        blocks = []
-        for i in range(seq.num_prompt_tokens // self.block_size):
-            block = self.pool.lookup(*self.block_key(seq, i))
-            if block is None:
-                break
-            blocks.append(block)
-        self.pin(blocks)
-        return len(blocks)
+        """Pin, in every group, the blocks a prefix hit on ``seq``'s whole prompt reads (from its first
+        block up to the first one not cached); returns the blocks pinned (every group's)."""
+        hit = self._hit(seq, seq.num_prompt_tokens // self.block_size)
+        pinned = 0
+        for group, blocks in zip(self.groups, hit.blocks):
+            held = [b for b in blocks if is_held(b)]
+            group.pin(held)
+            pinned += len(held)
+        return pinned
 
     def unpin_all(self) -> int:
-        n = len(self.pinned)
-        self.pool.free(reversed(self.pinned))
-        self.pinned = []
-        return n
+        """Release every pin; returns the blocks released (every group's)."""
+        return sum(g.unpin_all() for g in self.groups)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
-        return self.pool.reset_prefix_cache()
+        if any(g.pool.num_used_blocks for g in self.groups):
+            return False
+        return all([g.reset_prefix_cache() for g in self.groups])
+
+    # ------------------------------------------------------------ allocation
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: KVCacheBlocks | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more K/V entries of ``seq`` in every group.
+
+        ``cached`` (for a sequence without blocks) are prefix-cache hits to adopt first; they advance
+        ``num_computed_tokens``. Returns False, changing nothing, if a group's pool is short.
+        """
+        hits = (cached or self.no_hit).blocks
+        plans = []
+        for group, blocks in zip(self.groups, hits):
+            plan = group.plan_slots(seq, num_new_tokens, list(blocks))
+            if plan.num_free_needed > group.num_free_blocks:
+                return False
+            plans.append(plan)
+        for group, blocks, plan in zip(self.groups, hits, plans):
+            group.commit_slots(seq, list(blocks), plan)
+        if cached:
+            seq.num_computed_tokens = plans[0].computed
+        return True
+
+    def can_admit(self, seq: Sequence, num_new_tokens: int, cached: KVCacheBlocks, reserve: int) -> bool:
+        """Whether admitting ``seq`` with these prefix hits leaves ``reserve`` blocks free in every group."""
+        return all(g.num_blocks_to_admit(seq, num_new_tokens, list(blocks)) + reserve <= g.num_free_blocks
+                   for g, blocks in zip(self.groups, cached.blocks))
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Return the blocks of ``seq`` that left its sliding groups' windows; returns how many."""
+        return sum(g.free_out_of_window(seq) for g in self.groups if g.sliding_window is not None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` in every group, and its progress."""
+        for group in self.groups:
+            group.fork(parent, child)
+
+    def free(self, seq: Sequence) -> int:
+        """Return every block of ``seq`` (device and CPU) in every group; returns the device blocks freed."""
+        return sum(g.free(seq) for g in self.groups)
+
+    def take_block_moves(self) -> list[BlockMoves]:
+        """Each group's (swap out, swap in, copy) block moves asked for since the last call."""
+        return [g.take_block_moves() for g in self.groups]
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds device blocks and every group's swap pool has room for its share."""
+        return any(g.num_held_blocks(seq) for g in self.groups) and all(g.can_swap_out(seq) for g in self.groups)
+
+    def swap_out(self, seq: Sequence) -> int:
+        """Move ``seq``'s blocks to the swap pools; returns the blocks moved."""
+        return sum(g.swap_out(seq) for g in self.groups)
+
+    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Bring ``seq``'s blocks back in every group, keeping ``reserve`` free in each; False if one is short."""
+        if any(g.num_swapped_blocks(seq) + reserve > g.num_free_blocks for g in self.groups):
+            return False
+        return all([g.swap_in(seq, reserve) for g in self.groups])
 
     # ----------------------------------------------------------------- stats
     def stats(self, sequences: list[Sequence]) -> KVCacheStats:
-        bs = self.block_size
-        # Every block in use is full except the tails of the tables (the last computed block, and
-        # blocks allocated ahead of the computation): only those are looked at, so that the cost is
-        # per sequence, not per block (the benchmarks log these stats every step). A block shared
-        # by several tables (forks, prefixes) has the same fill in each.
-        tails: dict[int, int] = {}
-        logical = 0
-        for seq in sequences:
-            table = self.block_tables.get(seq.seq_id)
-            if not table:
-                continue
-            n = seq.num_computed_tokens
-            logical += n - bs * sum(1 for b in table if not is_held(b))
-            for i in range(min(n // bs, len(table)), len(table)):
-                tails[table[i].block_id] = max(tails.get(table[i].block_id, 0), min(bs, max(0, n - i * bs)))
-        logical += bs * len(self.pinned)
-        used = self.pool.num_used_blocks
+        """Every group's blocks and slots together (a block of each group holds its own layers' K/V)."""
+        parts = [g.stats(sequences) for g in self.groups]
+
+        def total(field: str) -> int:
+            return sum(getattr(p, field) for p in parts)
+
         return KVCacheStats(
-            block_size=bs,
-            total_blocks=self.pool.num_blocks,
-            free_blocks=self.pool.num_free_blocks,
-            in_use_blocks=used,
-            cached_blocks=self.pool.num_cached_free_blocks,
-            pinned_blocks=len({b.block_id for b in self.pinned}),
-            logical_tokens=logical,
-            physical_slots_used=(used - len(tails)) * bs + sum(tails.values()),
-            allocated_slots=used * bs,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            peak_in_use_blocks=self.peak_used_blocks,
+            block_size=self.block_size, total_blocks=total("total_blocks"), free_blocks=total("free_blocks"),
+            in_use_blocks=total("in_use_blocks"), cached_blocks=total("cached_blocks"),
+            pinned_blocks=total("pinned_blocks"), logical_tokens=total("logical_tokens"),
+            physical_slots_used=total("physical_slots_used"), allocated_slots=total("allocated_slots"),
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            peak_in_use_blocks=total("peak_in_use_blocks"),
         )
 
     def assert_consistent(self) -> None:
-        """Check the invariants of docs/architecture.md; raises AssertionError on a violation."""
-        self.pool.assert_consistent()
-        holders: Counter[int] = Counter()
-        for table in self.block_tables.values():
-            for block in table:
-                if is_held(block):
-                    holders[block.block_id] += 1
-        for block in self.pinned:
-            holders[block.block_id] += 1
-        for block in self.pool.created_blocks:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"{block}: ref count {block.ref_cnt} but held by {holders[block.block_id]} block tables and pins"
-            )
-        used = sum(1 for b in self.pool.created_blocks if b.ref_cnt > 0)
-        assert used + self.pool.num_free_blocks == self.pool.num_blocks, "free + used != total"
-        assert not set(self.block_tables) & set(self.cpu_tables), "a sequence is both on the device and swapped"
-        if self.cpu_pool is not None:
-            self.cpu_pool.assert_consistent()
-            cpu_holders = Counter(b.block_id for t in self.cpu_tables.values() for b in t if is_held(b))
-            for block in self.cpu_pool.created_blocks:
-                assert block.ref_cnt == cpu_holders[block.block_id], f"CPU {block}: ref count drifted"
-        else:
-            assert not self.cpu_tables
+        """Check every group's invariants, and that the groups agree on who holds blocks."""
+        first = self.groups[0]
+        for group in self.groups:
+            group.assert_consistent()
+            assert set(group.block_tables) == set(first.block_tables), "a sequence has blocks in some groups only"
+            assert set(group.cpu_tables) == set(first.cpu_tables), "a sequence is swapped out in some groups only"

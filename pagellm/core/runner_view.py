@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import KVBlock
 from pagellm.core.kv_cache_manager import OUT_OF_WINDOW, KVCacheManager
+from pagellm.core.kv_group_manager import KVGroupManager
 from pagellm.core.sched_output import (
     CachedSeqData,
     ForkedSeq,
@@ -80,9 +81,7 @@ class RunnerView:
     """Builds each step's plain data for the runner (``schedule``) from what it was told before."""
 
     def __init__(self, kv_cache_manager: KVCacheManager) -> None:
-        self.kv = kv_cache_manager
-        self.extra_groups = kv_cache_manager.extra_groups
-        self.groups = (kv_cache_manager, *self.extra_groups)
+        self.groups: tuple[KVGroupManager, ...] = kv_cache_manager.groups
         self.windowed = [g.sliding_window is not None for g in self.groups]
         self.block_size = kv_cache_manager.block_size
         self._sent: dict[int, _SentSeq] = {}
@@ -128,16 +127,13 @@ class RunnerView:
             ids = [view.copy(g.block_tables[seq_id], frozen) for view, g in zip(views, self.groups)]
             self._sent[seq_id] = _SentSeq(num_tokens, views)
             out.new_seqs.append(NewSeqData(seq_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.params,
-                                           seq.seed, ids[0], tuple(ids[1:])))
+                                           seq.seed, ids))
             return
         tokens = seq.token_slice(sent.num_tokens, num_tokens) if num_tokens > sent.num_tokens else []
         sent.num_tokens = num_tokens
-        edit = sent.tables[0].edit(self.kv.block_tables[seq_id], frozen)
-        changed = bool(tokens) or edit is not None
-        group_edits: tuple[TableEdit | None, ...] = ()
-        if self.extra_groups:
-            group_edits = tuple(view.edit(g.block_tables[seq_id], frozen)
-                                for view, g in zip(sent.tables[1:], self.extra_groups))
-            changed = changed or any(e is not None for e in group_edits)
-        if changed:
-            out.cached_seqs.append(CachedSeqData(seq_id, tokens, edit, group_edits))
+        edits: list[TableEdit | None] = [view.edit(g.block_tables[seq_id], frozen)
+                                         for view, g in zip(sent.tables, self.groups)]
+        if not any(e is not None for e in edits):
+            edits = []
+        if tokens or edits:
+            out.cached_seqs.append(CachedSeqData(seq_id, tokens, edits))

@@ -2,9 +2,10 @@
 
 The runner keeps its own state per sequence (``worker/request_state.py``), built from these messages:
 a sequence it does not hold comes in full once (``NewSeqData``: its prompt, the tokens generated so
-far, its sampling parameters and block tables); after that, a step carries only what changed in it
-(``CachedSeqData``: the tokens appended since, e.g. the one sampled last step, and each block table's
-edit). ``ScheduledSeq`` says what the step computes of each sequence; finished and preempted ids tell
+far, its sampling parameters and its block table in each KV cache group); after that, a step carries
+only what changed in it (``CachedSeqData``: the tokens appended since, e.g. the one sampled last step,
+and each group's block table edit). Whatever is per group is a list indexed by group, one entry for a
+model with one group. ``ScheduledSeq`` says what the step computes of each sequence; finished and preempted ids tell
 the runner what to drop (a preempted sequence comes back as new). No core ``Sequence`` crosses here:
 the tensor-parallel workers receive the same data (``distributed/step_message.py``).
 """
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # (a light module: no torch either way)
     from pagellm.sampling_params import SamplingParams
 
-# One KV cache group's block moves of a step: (swap out, swap in, copy), each a list of (src, dst).
+# One KV cache group's block moves of a step, in the order the worker runs them: (swap out: device ->
+# CPU, swap in: CPU -> device, copy-on-write: device -> device), each a list of (src, dst) block ids.
 BlockMoves = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 
 # The block id of a table entry whose block fell out of the attention window (kv_cache_manager's
@@ -57,10 +59,7 @@ class NewSeqData:
     # None in a tensor-parallel worker's copy of the step: it never samples.
     sampling_params: SamplingParams | None
     seed: int | None
-    block_table: list[int]
-    # Models with several KV cache groups (Gemma: sliding and full-attention layers): the block tables
-    # of groups 1, 2, ... (``block_table`` is group 0's); empty with one group.
-    group_block_tables: tuple[list[int], ...] = ()
+    block_tables: list[list[int]]  # [group][i]: block ids
 
 
 @dataclass
@@ -70,9 +69,8 @@ class CachedSeqData:
     seq_id: int
     # Tokens appended to the sequence since: the one sampled last step, the drafts it kept.
     new_token_ids: list[int] = field(default_factory=list)
-    block_edit: TableEdit | None = None
-    # Groups 1, 2, ...: each table's edit (None: unchanged); empty with one group.
-    group_block_edits: tuple[TableEdit | None, ...] = ()
+    # Each group's block table edit (None: unchanged); empty when no table changed.
+    block_edits: list[TableEdit | None] = field(default_factory=list)
 
 
 @dataclass
@@ -115,20 +113,22 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)
     # Sequences finished since the last step: the worker drops their per-sequence state.
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Block moves the worker runs before the forward pass, in this order:
-    # device -> CPU (swap out), CPU -> device (swap in), device -> device (copy-on-write).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Several KV cache groups: the moves above are group 0's; these, groups 1, 2, ...'s, each
-    # (swap out, swap in, copy) in its own pools' block ids. Empty with one group.
-    group_block_moves: list[BlockMoves] = field(default_factory=list)
+    # Each KV cache group's block moves, run before the forward pass (in its own pools' block ids).
+    block_moves: list[BlockMoves] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to compute and no block to move."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
-                    or any(any(moves) for moves in self.group_block_moves))
+        return not (self.scheduled or self.moves_blocks)
+
+    @property
+    def moves_blocks(self) -> bool:
+        return any(any(moves) for moves in self.block_moves)
+
+    @property
+    def swaps_in(self) -> bool:
+        """Whether a sequence's blocks come back from the swap pool this step."""
+        return any(into for _, into, _ in self.block_moves)
 
     def withdraw(self, seq_id: int) -> ScheduledSeq:
         """Take a sequence's entry, and what it told the runner, out of this step (it is preempted next)."""

@@ -18,9 +18,9 @@ Preemption swaps the sequence's blocks to the CPU pool (``swap``, or ``auto`` wh
 pool has room) or frees them to be recomputed later (``recompute``); either way the
 sequence keeps the tokens it generated.
 
-With several KV cache groups (``kv_groups.py``: Gemma's sliding and full-attention layers), the
-KV cache manager answers for all of them at once: a sequence gets its blocks, is admitted or swapped
-in only when every group has room, and the runner is told every group's block table (``runner_view.py``).
+The KV cache manager answers for every KV cache group at once (``kv_cache_manager.py``; Gemma's
+sliding and full-attention layers are two): a sequence gets its blocks, is admitted or swapped in
+only when every group has room, and the runner is told every group's block table (``runner_view.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy, met_slos
 from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
 from pagellm.core.runner_view import RunnerView
@@ -195,10 +195,7 @@ class Scheduler:
                 budget = self._admit_waiting(out, budget, chunk_cap)
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
-        out.blocks_to_swap_out, out.blocks_to_swap_in = self.kv_cache_manager.take_pending_swaps()
-        out.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
-        if self.kv_cache_manager.extra_groups:
-            out.group_block_moves = [g.take_block_moves() for g in self.kv_cache_manager.extra_groups]
+        out.block_moves = self.kv_cache_manager.take_block_moves()
         self.stats.num_steps += 1
         return out
 
@@ -236,8 +233,8 @@ class Scheduler:
             seats = self._seats(seq)
             if taken + seats > cfg.max_num_seqs:
                 break
-            hits = self.kv_cache_manager.find_cached_prefix(seq) if self._may_use_prefix_cache(seq) else []
-            hit_tokens = len(hits) * self.kv_cache_manager.block_size
+            hits = self._prefix_hit(seq)
+            hit_tokens = hits.num_blocks * self.kv_cache_manager.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
@@ -263,8 +260,8 @@ class Scheduler:
         head = self.waiting[0]
         key = self.policy.key
         seats = self._seats(head)
-        hits = self.kv_cache_manager.find_cached_prefix(head) if self._may_use_prefix_cache(head) else []
-        num_new = min(head.num_tokens - head.num_computed_tokens - len(hits) * self.kv_cache_manager.block_size,
+        hits = self._prefix_hit(head)
+        num_new = min(head.num_tokens - head.num_computed_tokens - hits.num_blocks * self.kv_cache_manager.block_size,
                       budget, chunk_cap)
 
         def fits() -> bool:
@@ -295,13 +292,14 @@ class Scheduler:
         # Scheduled from the next step on; the worker copies its blocks back in this one.
         self.running.append(seq)
 
-    @staticmethod
-    def _may_use_prefix_cache(seq: Sequence) -> bool:
+    def _prefix_hit(self, seq: Sequence) -> KVCacheBlocks:
+        """``seq``'s prefix-cache hit, in every KV cache group (none where it must compute every token)."""
         # Prompt logprobs need every prompt position computed: no skipping them via the cache.
         request = seq.request
         # (Positions [0, num_prompt_tokens - 1) score a token; a one-token prompt has none to skip.)
-        return not (request.wants_prompt_logprobs
-                    and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1))
+        if request.wants_prompt_logprobs and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1):
+            return self.kv_cache_manager.no_hit
+        return self.kv_cache_manager.find_cached_prefix(seq)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""

@@ -3,15 +3,14 @@
 The driver (rank 0) broadcasts a header ``[command, payload_len]``, then the payload: the step's
 ``SchedulerOutput`` (core/sched_output.py) field by field, each list preceded by its length:
 
-- ``num_extra_groups`` (KV cache groups after the first), ``num_batched_tokens``;
+- ``num_groups`` (KV cache groups), ``num_batched_tokens``;
 - the finished and the preempted sequence ids;
-- each new sequence: ``seq_id``, its prompt, its output tokens, its block table, then each further
-  group's table;
-- each cached sequence's changes: ``seq_id``, its new tokens, then for each group its table edit
-  (``-1``: none; else ``keep, dead_from, dead_to`` and the block ids appended);
+- each new sequence: ``seq_id``, its prompt, its output tokens, then each group's block table;
+- each cached sequence's changes: ``seq_id``, its new tokens, whether a table changed, and if so
+  each group's table edit (``-1``: none; else ``keep, dead_from, dead_to`` and the block ids appended);
 - each scheduled chunk: ``seq_id, start, num_new_tokens, sample, lp_from, lp_to`` (``-1, -1``: no
   prompt logprobs), its forked children's ids, its draft tokens;
-- the block moves as (src, dst) pairs, swap out, swap in and copy, then each further group's three.
+- each group's block moves as (src, dst) pairs: swap out, swap in and copy.
 
 So a sequence's prompt travels once, when it is new, and a decode costs a few numbers. A worker
 decodes the same plain data, but for what only rank 0 reads to sample: new sequences' sampling
@@ -49,11 +48,9 @@ def _put_pairs(payload: list[int], pairs: list[tuple[int, int]]) -> None:
 
 
 def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a step for the workers. With several KV cache groups, ``group_block_moves``
-    has an entry for each further group (the scheduler fills it every step), and so do the tables
-    and edits of every sequence."""
-    num_extra = len(out.group_block_moves)
-    payload: list[int] = [num_extra, out.num_batched_tokens]
+    """(header, payload) of a step for the workers. ``block_moves`` has an entry for each KV cache group
+    (the scheduler fills it every step), and so do the tables and edits of every sequence."""
+    payload: list[int] = [len(out.block_moves), out.num_batched_tokens]
     _put_list(payload, out.finished_seq_ids)
     _put_list(payload, out.preempted_seq_ids)
     payload.append(len(out.new_seqs))
@@ -61,15 +58,14 @@ def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         payload.append(new.seq_id)
         _put_list(payload, new.prompt_token_ids)
         _put_list(payload, new.output_token_ids)
-        _put_list(payload, new.block_table)
-        for table in new.group_block_tables:
+        for table in new.block_tables:
             _put_list(payload, table)
     payload.append(len(out.cached_seqs))
     for cached in out.cached_seqs:
         payload.append(cached.seq_id)
         _put_list(payload, cached.new_token_ids)
-        _put_edit(payload, cached.block_edit)
-        for edit in cached.group_block_edits:
+        payload.append(int(bool(cached.block_edits)))
+        for edit in cached.block_edits:
             _put_edit(payload, edit)
     payload.append(len(out.scheduled))
     for it in out.scheduled:
@@ -77,7 +73,7 @@ def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         payload += [it.seq_id, it.start, it.num_new_tokens, int(it.sample), lp[0], lp[1]]
         _put_list(payload, [child.seq_id for child in it.fork_children])
         _put_list(payload, it.draft_token_ids)
-    for moves in ((out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy), *out.group_block_moves):
+    for moves in out.block_moves:
         for pairs in moves:
             _put_pairs(payload, pairs)
     header = [STEP, len(payload)]
@@ -121,20 +117,20 @@ class _Reader:
 def decode_step(payload: torch.Tensor) -> SchedulerOutput:
     """The worker's view of the step ``encode_step`` made (its payload)."""
     r = _Reader(payload.tolist())
-    num_extra = r.one()
+    num_groups = r.one()
     out = SchedulerOutput(num_batched_tokens=r.one(), finished_seq_ids=r.counted(), preempted_seq_ids=r.counted())
     for _ in range(r.one()):
-        seq_id, prompt, output, table = r.one(), r.counted(), r.counted(), r.counted()
-        groups = tuple(r.counted() for _ in range(num_extra))
-        out.new_seqs.append(NewSeqData(seq_id, prompt, output, None, None, table, groups))
+        seq_id, prompt, output = r.one(), r.counted(), r.counted()
+        tables = [r.counted() for _ in range(num_groups)]
+        out.new_seqs.append(NewSeqData(seq_id, prompt, output, None, None, tables))
     for _ in range(r.one()):
-        seq_id, tokens, edit = r.one(), r.counted(), r.edit()
-        out.cached_seqs.append(CachedSeqData(seq_id, tokens, edit, tuple(r.edit() for _ in range(num_extra))))
+        seq_id, tokens, edited = r.one(), r.counted(), r.one()
+        edits = [r.edit() for _ in range(num_groups)] if edited else []
+        out.cached_seqs.append(CachedSeqData(seq_id, tokens, edits))
     for _ in range(r.one()):
         seq_id, start, num_new, sample, lp_from, lp_to = r.some(6)
         children = [ForkedSeq(child, None) for child in r.counted()]
         out.scheduled.append(ScheduledSeq(seq_id, start, num_new, bool(sample),
                                           None if lp_from == NONE else (lp_from, lp_to), children, r.counted()))
-    out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = r.pairs(), r.pairs(), r.pairs()
-    out.group_block_moves = [(r.pairs(), r.pairs(), r.pairs()) for _ in range(num_extra)]
+    out.block_moves = [(r.pairs(), r.pairs(), r.pairs()) for _ in range(num_groups)]
     return out

@@ -35,22 +35,24 @@ MAX_CACHED_HASHES = 16384
 
 
 def block_state_codes(manager: KVCacheManager) -> str:
-    """The state of every device block, by id, one character each (``STATE_NAMES``).
+    """The state of every device block of the first KV cache group's pool, by id, one character each
+    (``STATE_NAMES``).
 
     A block held by a pin is ``pinned`` whoever else holds it; one held by several block tables is
     ``shared``; a free block still registered under a prefix hash is ``cached`` (evictable). Costs a
     pass over the cached blocks and the block tables, not over the whole pool.
     """
-    pool = manager.pool
+    group = manager.groups[0]
+    pool = group.pool
     codes = bytearray(FREE.encode() * pool.num_blocks)
     cached, used, shared, pinned = (ord(c) for c in (CACHED, USED, SHARED, PINNED))
     for block in pool.cached_blocks.values():  # every hashed block, in use or free
         if block.ref_cnt == 0:
             codes[block.block_id] = cached
-    for table in manager.block_tables.values():
+    for table in group.block_tables.values():
         for block in filter(is_held, table):
             codes[block.block_id] = shared if block.ref_cnt > 1 else used
-    for block in manager.pinned:
+    for block in group.pinned:
         codes[block.block_id] = pinned
     return codes.decode("ascii")
 
@@ -69,19 +71,20 @@ def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
     ones (those up to ``MAX_CACHED_HASHES``). The result shares nothing with the engine: it may be
     encoded while the next step runs.
     """
-    pool = manager.pool
+    group = manager.groups[0]
+    pool = group.pool
     states = block_state_codes(manager)
     owner = _sequence_owners(scheduler)
     holders: dict[int, list[str]] = {}
     in_use: dict[int, KVBlock] = {}
-    for seq_id, table in manager.block_tables.items():
+    for seq_id, table in group.block_tables.items():
         rid = owner.get(seq_id, f"seq-{seq_id}")
         for block in filter(is_held, table):
             in_use[block.block_id] = block
             ids = holders.setdefault(block.block_id, [])
             if rid not in ids:  # the samples of one request (n > 1) share blocks: name it once
                 ids.append(rid)
-    for block in manager.pinned:
+    for block in group.pinned:
         in_use[block.block_id] = block
         ids = holders.setdefault(block.block_id, [])
         if PINNED_HOLDER not in ids:
@@ -91,7 +94,7 @@ def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
     if num_cached <= MAX_CACHED_HASHES:
         hashes.update((b.block_id, short_hash(h)) for h, b in pool.cached_blocks.items() if b.ref_cnt == 0)
     swap_blocks = [[block.block_id, owner.get(seq_id, f"seq-{seq_id}")]
-                   for seq_id, table in manager.cpu_tables.items() for block in filter(is_held, table)]
+                   for seq_id, table in group.cpu_tables.items() for block in filter(is_held, table)]
     return {
         "num_steps": scheduler.stats.num_steps,
         "pool": {
@@ -105,14 +108,14 @@ def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
             "holders": holders,
         },
         "swap": {
-            "num_blocks": manager.cpu_pool.num_blocks if manager.cpu_pool is not None else 0,
+            "num_blocks": group.cpu_pool.num_blocks if group.cpu_pool is not None else 0,
             "blocks": swap_blocks,
         },
         # The KV cache groups (Gemma: full-attention and sliding layers, a pool each); ``pool`` above is
         # the first one's.
         "groups": [{"sliding_window": g.sliding_window, "num_blocks": g.pool.num_blocks,
                     "used_blocks": g.pool.num_used_blocks, "cached_blocks": g.pool.num_cached_free_blocks}
-                   for g in (manager, *manager.extra_groups)],
+                   for g in manager.groups],
         "requests": request_rows(manager, scheduler),
         "stats": {
             "kv_usage": manager.usage,
@@ -155,7 +158,8 @@ def _request_row(request: Request, seqs: list[Sequence], manager: KVCacheManager
     queue = ("running" if SequenceStatus.RUNNING in statuses
              else "swapped" if SequenceStatus.SWAPPED in statuses else "waiting")
     prompt = len(request.prompt_token_ids)
-    device_blocks = {b.block_id for s in seqs for b in filter(is_held, manager.block_tables.get(s.seq_id, ()))}
+    group = manager.groups[0]  # (the pool the grid shows)
+    device_blocks = {b.block_id for s in seqs for b in filter(is_held, group.block_tables.get(s.seq_id, ()))}
     ttft_slo = request.ttft_slo if request.ttft_slo is not None else scheduler.config.default_ttft_slo
     return {
         "request_id": request.request_id,
@@ -167,7 +171,7 @@ def _request_row(request: Request, seqs: list[Sequence], manager: KVCacheManager
         "generated": max(s.num_output_tokens for s in request.seqs),
         "max_tokens": request.sampling_params.max_tokens,
         "blocks": len(device_blocks),
-        "swapped_blocks": sum(len(list(filter(is_held, manager.cpu_tables.get(s.seq_id, ())))) for s in seqs),
+        "swapped_blocks": sum(len(list(filter(is_held, group.cpu_tables.get(s.seq_id, ())))) for s in seqs),
         "cached_tokens": request.seqs[0].num_cached_tokens,
         "priority": request.priority,
         "arrival_time": request.arrival_time,

@@ -13,7 +13,8 @@ import torch
 from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs
-from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
+from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from pagellm.core.kv_group_manager import blocks_per_sequence
 from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
@@ -341,8 +342,10 @@ class LLMEngine:
             self.step()
         manager = self.kv_cache_manager
         pinned = sum(manager.pin_prompt(request.seqs[0]) for request in requests)
-        left = manager.pool.num_blocks - len(manager.pinned)  # (the full-attention group's, with several)
-        needed = cdiv(self.max_model_len, manager.block_size)
+        # Every group must keep room for one sequence of max_model_len (a sliding group, for its window).
+        left, needed = min(((g.num_blocks - len(g.pinned),
+                             blocks_per_sequence(self.max_model_len, g.block_size, g.sliding_window))
+                            for g in manager.groups), key=lambda x: x[0] - x[1])
         if left < needed:
             manager.unpin_all()
             raise ValueError(
@@ -435,7 +438,7 @@ class LLMEngine:
         by_id = self.scheduler.seqs_by_id
         ids = [it.seq_id for it in scheduler_output.scheduled] + scheduler_output.preempted_seq_ids
         seqs = [by_id[i] for i in ids if i in by_id]
-        if scheduler_output.blocks_to_swap_in:  # swapped in for the next step: running, not scheduled yet
+        if scheduler_output.swaps_in:  # swapped in for the next step: running, not scheduled yet
             scheduled = {id(s) for s in seqs}
             seqs += [s for s in self.scheduler.running if id(s) not in scheduled]
         return list(dict.fromkeys(s.request.request_id for s in seqs)) or None
@@ -451,7 +454,7 @@ def speculative_config(args: EngineArgs, kv_cache_manager: KVCacheManager) -> Sp
         return None
     assert not isinstance(args.speculative_config, str)  # (EngineArgs parsed its JSON)
     spec = SpeculativeConfig.from_dict(args.speculative_config)
-    if kv_cache_manager.extra_groups:
+    if len(kv_cache_manager.groups) > 1:
         raise ValueError("speculative_config: models with several KV cache groups (sliding and full-attention "
                          "layers, as Gemma's) do not speculate yet; drop --speculative-config")
     if args.tensor_parallel_size > 1:

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.core.kv_groups import HybridKVCacheManager, KVCacheGroupSpec, split_kv_blocks
+from pagellm.core.kv_groups import KVCacheGroupSpec, split_kv_blocks
 from pagellm.engine.sizing import (
     DEFAULT_KV_SHARE,
     KVCacheSizing,
@@ -152,9 +152,10 @@ def allocate_kv_cache(args: EngineArgs, config: PretrainedConfig, dtype: torch.d
     )
     if num_cpu_blocks is None:
         num_cpu_blocks = swap_bytes(args, device, num_blocks * block_bytes) // block_bytes
-    groups = kv_cache_groups(config)
-    group_blocks = group_cpu_blocks = layer_groups = None
-    if groups is not None:
+    groups = kv_cache_groups(config, num_layers)
+    group_blocks, group_cpu_blocks = [num_blocks], [num_cpu_blocks]
+    layer_groups = [0] * num_layers
+    if len(groups) > 1:
         # The same memory, split between the groups' pools (kv_groups.split_kv_blocks): every rank of a
         # tensor-parallel model computes the same split from the same block count.
         step_tokens = args.step_token_budget(max_model_len)
@@ -162,7 +163,6 @@ def allocate_kv_cache(args: EngineArgs, config: PretrainedConfig, dtype: torch.d
                                        step_tokens)
         group_cpu_blocks = split_kv_blocks(num_cpu_blocks, groups, args.block_size, max_model_len,
                                            args.max_num_seqs, step_tokens)
-        layer_groups = [0] * num_layers
         for i, group in enumerate(groups):
             for layer in group.layers:
                 layer_groups[layer] = i
@@ -183,23 +183,16 @@ def allocate_kv_cache(args: EngineArgs, config: PretrainedConfig, dtype: torch.d
             f"{device} and a swap pool of {num_cpu_blocks * block_bytes / 2**30:.1f} GiB: lower "
             f"--kv-cache-memory, --num-kv-blocks or --swap-space ({e})"
         ) from e
-    manager: KVCacheManager
-    if groups is not None:
-        assert group_blocks is not None and group_cpu_blocks is not None
-        manager = HybridKVCacheManager(group_blocks, args.block_size, args.enable_prefix_caching,
-                                       num_cpu_blocks=group_cpu_blocks,
-                                       sliding_windows=[g.sliding_window for g in groups])
-    else:
-        # Where every layer attends to a window only, the blocks that fall out of it go back to the pool.
-        manager = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                 num_cpu_blocks=num_cpu_blocks, sliding_window=sliding_window_of(config))
+    manager = KVCacheManager(group_blocks, args.block_size, args.enable_prefix_caching,
+                             num_cpu_blocks=group_cpu_blocks, sliding_window=[g.sliding_window for g in groups])
     return cache_engine, manager, max_model_len
 
 
-def kv_cache_groups(config: PretrainedConfig) -> list[KVCacheGroupSpec] | None:
-    """The model's KV cache groups (layers by attention kind: Gemma's full-attention and sliding layers),
-    full attention first; None where one group serves every layer."""
+def kv_cache_groups(config: PretrainedConfig, num_layers: int) -> list[KVCacheGroupSpec]:
+    """The model's KV cache groups: layers by attention kind (Gemma's full-attention and sliding layers,
+    full attention first), or one group of every layer, with the model's window where every layer
+    attends to one (the blocks that fall out of it go back to the pool)."""
     groups = kv_groups_of(config)
     if groups is None:
-        return None
+        return [KVCacheGroupSpec(tuple(range(num_layers)), sliding_window_of(config))]
     return [KVCacheGroupSpec(layers, window) for window, layers in groups]

@@ -163,10 +163,7 @@ class ModelRunner:
 
     def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
-        self.cache_engine.swap_out(scheduler_output.blocks_to_swap_out)
-        self.cache_engine.swap_in(scheduler_output.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(scheduler_output.blocks_to_copy)
-        for group, (out, into, copies) in enumerate(scheduler_output.group_block_moves, start=1):
+        for group, (out, into, copies) in enumerate(scheduler_output.block_moves):
             self.cache_engine.swap_out(out, group)
             self.cache_engine.swap_in(into, group)
             self.cache_engine.copy_blocks(copies, group)
@@ -200,7 +197,7 @@ class ModelRunner:
         their first block next to each other; else longest context first: decodes of similar length
         are contiguous runs."""
         if self.cascade:
-            return sorted(items, key=lambda c: (not is_decode(c[0]), c[1].block_table[:1], -c[0].start))
+            return sorted(items, key=lambda c: (not is_decode(c[0]), c[1].block_tables[0][:1], -c[0].start))
         return sorted(items, key=lambda c: (not is_decode(c[0]), -c[0].start))
 
     def prepare_tokens(self, items: list[Chunk]) -> tuple[list[int], list[int], list[int]]:
@@ -210,7 +207,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         for it, state in items:
-            start, n, table = it.start, it.num_new_tokens, state.block_table
+            start, n, table = it.start, it.num_new_tokens, state.block_tables[0]
             drafts = it.draft_token_ids
             input_ids.extend(state.token_slice(start, start + n - len(drafts)))
             input_ids.extend(drafts)
@@ -223,7 +220,7 @@ class ModelRunner:
         """The decodes (the first rows, one per token: a sequence's drafts are decodes at the positions
         after its last token, attending to the K/V written before them in the step) as the backend
         attends them, runs of them sharing their first blocks found where it reads those once."""
-        tables = [state.block_table for it, state in decodes for _ in range(it.num_new_tokens)]
+        tables = [state.block_tables[0] for it, state in decodes for _ in range(it.num_new_tokens)]
         lens = [it.start + 1 + i for it, _ in decodes for i in range(it.num_new_tokens)]
         runs = cascade_runs(tables) if self.cascade else []
         return self.attn_backend.prepare_decode(tables, lens, runs)
@@ -234,7 +231,7 @@ class ModelRunner:
         q_start = first_row
         for it, state in prefills:
             n = it.num_new_tokens
-            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(state.block_table, self.device),
+            spans.append(PrefillSpan(q_start, n, it.start + n, long_tensor(state.block_tables[0], self.device),
                                      state.num_tokens))
             q_start += n
         return spans
@@ -249,7 +246,7 @@ class ModelRunner:
         positions (the rotation is applied before they are stored). Its decodes read no shared runs."""
         bs = self.block_size
         window = self.group_windows.get(group)
-        tables = [state.group_block_tables[group - 1] for _, state in items]
+        tables = [state.block_tables[group] for _, state in items]
         slots: list[int] = []
         at = 0
         skipped = []  # leading blocks of each table no query of the step reads

@@ -3,7 +3,8 @@
 The scheduler sends a sequence whole once (``NewSeqData``) and then only what changed
 (``CachedSeqData``); this is where the runner keeps the result: the sequence's tokens (what a
 prefill and a decode compute, the targets of prompt logprobs, what penalties and grammars read),
-its sampling parameters and seed, and its block tables. Finished and preempted sequences are dropped.
+its sampling parameters and seed, and its block table in each KV cache group. Finished and
+preempted sequences are dropped.
 Every tensor-parallel rank keeps the same state from the same messages (without the sampling
 parameters: only rank 0 samples).
 """
@@ -11,7 +12,7 @@ parameters: only rank 0 samples).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagellm.core.sched_output import ForkedSeq, NewSeqData, SchedulerOutput, apply_table_edit
 from pagellm.core.token_lists import TokenLists
@@ -27,19 +28,18 @@ class SeqState(TokenLists):
     output_token_ids: list[int]
     sampling_params: SamplingParams | None  # None on a tensor-parallel worker
     seed: int | None
-    block_table: list[int]
-    group_block_tables: list[list[int]] = field(default_factory=list)  # groups 1, 2, ...
+    block_tables: list[list[int]]  # [group][i]: block ids
 
     @classmethod
     def from_new(cls, new: NewSeqData) -> SeqState:
         return cls(new.seq_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, new.seed,
-                   list(new.block_table), [list(t) for t in new.group_block_tables])
+                   [list(t) for t in new.block_tables])
 
     def fork(self, child: ForkedSeq) -> SeqState:
         """An ``n > 1`` child's state as it forks: this sequence's tokens and parameters, its own seed;
         its block tables come with its first step."""
         return SeqState(child.seq_id, self.prompt_token_ids, list(self.output_token_ids), self.sampling_params,
-                        child.seed, [], [[] for _ in self.group_block_tables])
+                        child.seed, [[] for _ in self.block_tables])
 
     @property
     def params(self) -> SamplingParams:
@@ -86,9 +86,7 @@ class RequestStates:
             state = seqs[cached.seq_id]
             if cached.new_token_ids:
                 state.output_token_ids.extend(cached.new_token_ids)
-            if cached.block_edit is not None:
-                apply_table_edit(state.block_table, cached.block_edit)
-            for table, edit in zip(state.group_block_tables, cached.group_block_edits):
+            for table, edit in zip(state.block_tables, cached.block_edits):
                 if edit is not None:
                     apply_table_edit(table, edit)
         for item in out.scheduled:

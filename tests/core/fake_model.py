@@ -57,11 +57,11 @@ def check_runner_states(sched: Scheduler, out: SchedulerOutput) -> None:
     kv = sched.kv_cache_manager
     for item in out.scheduled:
         seq = sched.seqs_by_id[item.seq_id]
-        tables = (kv.block_table(seq), [g.block_table(seq) for g in kv.extra_groups])
+        tables = kv.block_ids(seq)
         for states in (runner, worker):
             state = states[item.seq_id]
             assert (state.prompt_token_ids, state.output_token_ids) == (seq.prompt_token_ids, seq.output_token_ids)
-            assert (state.block_table, state.group_block_tables) == tables, (seq, item)
+            assert state.block_tables == tables, (seq, item)
         state = runner[item.seq_id]
         assert state.params is seq.params and state.seed == seq.seed
         for child in item.fork_children:

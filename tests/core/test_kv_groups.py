@@ -1,10 +1,11 @@
-"""KV cache groups (kv_groups.py): a pool and block tables per kind of attention layer, the sliding
-group freeing what falls out of its window, every operation all-or-nothing over the groups."""
+"""KV cache groups (kv_groups.py, kv_cache_manager.py): a pool and block tables per kind of attention
+layer, the sliding group freeing what falls out of its window, every operation all-or-nothing over
+the groups."""
 
 from __future__ import annotations
 
-from pagellm.core.kv_cache_manager import OUT_OF_WINDOW, cdiv, is_held
-from pagellm.core.kv_groups import GroupHits, HybridKVCacheManager, KVCacheGroupSpec, split_kv_blocks
+from pagellm.core.kv_cache_manager import OUT_OF_WINDOW, KVCacheManager, cdiv, is_held
+from pagellm.core.kv_groups import KVCacheGroupSpec, split_kv_blocks
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import SequenceStatus
 from pagellm.distributed.step_message import decode_step, encode_step
@@ -19,8 +20,8 @@ def hybrid_scheduler(full_blocks: int = 64, sliding_blocks: int = 16, cpu_blocks
                      max_num_seqs: int = 8, max_model_len: int = 128, budget: int = 32,
                      **config) -> Scheduler:
     cfg = SchedulerConfig(budget, max_num_seqs, max_model_len, **config)
-    kv = HybridKVCacheManager([full_blocks, sliding_blocks], BS, prefix,
-                              num_cpu_blocks=[cpu_blocks, cpu_blocks], sliding_windows=[None, WINDOW])
+    kv = KVCacheManager([full_blocks, sliding_blocks], BS, prefix,
+                        num_cpu_blocks=[cpu_blocks, cpu_blocks], sliding_window=[None, WINDOW])
     return Scheduler(cfg, kv, eos_token_ids=[0], clock=FakeClock())
 
 
@@ -28,7 +29,7 @@ def held(group, seq) -> int:
     return sum(1 for b in group.block_tables.get(seq.seq_id, ()) if is_held(b))
 
 
-def assert_no_block_in_use(kv: HybridKVCacheManager) -> None:
+def assert_no_block_in_use(kv: KVCacheManager) -> None:
     kv.assert_consistent()
     for group in kv.groups:
         assert group.pool.num_free_blocks == group.pool.num_blocks
@@ -53,7 +54,6 @@ def test_split_gives_the_sliding_group_its_windows_and_the_full_group_the_rest()
 def test_a_long_sequence_holds_only_the_window_in_the_sliding_group():
     sched = hybrid_scheduler()
     kv = sched.kv_cache_manager
-    assert isinstance(kv, HybridKVCacheManager)
     full, sliding = kv.groups
     sched.add_request(request := create_request(30, max_tokens=60))
     (seq,) = request.seqs
@@ -78,7 +78,7 @@ def test_admission_waits_for_every_group():
     sched.add_request(b)
     fake_step(sched)
     assert [s.request for s in sched.running] == [a] and sched.waiting == [b.seqs[0]]
-    assert kv.block_table(b.seqs[0]) == [] and all(b.seqs[0].seq_id not in g.block_tables for g in kv.groups)
+    assert not kv.holds_blocks(b.seqs[0]) and all(b.seqs[0].seq_id not in g.block_tables for g in kv.groups)
     run_to_end(sched)
     assert all(r.seqs[0].num_output_tokens == 8 for r in (a, b))
     assert_no_block_in_use(kv)
@@ -100,7 +100,7 @@ def test_preemption_by_swap_and_by_recompute_moves_every_group():
                 assert all(seq_id not in g.block_tables for g in kv.groups)
                 if mode == "swap":
                     assert all(seq_id in g.cpu_tables for g in kv.groups)
-            if out.group_block_moves and any(out.group_block_moves[0][:2]):
+            if any(moves[0] or moves[1] for moves in out.block_moves):
                 moved = True
         assert not sched.has_unfinished()
         assert sched.stats.num_preemptions > 0
@@ -117,21 +117,23 @@ def test_a_prefix_hit_needs_only_the_window_in_the_sliding_group():
     run_to_end(sched)
     again = create_request(prompt_token_ids=prompt + [7], max_tokens=2)
     hits = kv.find_cached_prefix(again.seqs[0])
-    assert isinstance(hits, GroupHits) and len(hits) == 10
-    (sliding_hits,) = hits.others
+    assert hits.num_blocks == 10 and all(len(blocks) == 10 for blocks in hits.blocks)
+    full_hits, sliding_hits = hits.blocks
     dead = (10 * BS - WINDOW) // BS
-    assert sliding_hits[:dead] == [OUT_OF_WINDOW] * dead and all(map(is_held, sliding_hits[dead:]))
+    assert all(map(is_held, full_hits))
+    assert sliding_hits[:dead] == (OUT_OF_WINDOW,) * dead and all(map(is_held, sliding_hits[dead:]))
     sched.add_request(again)
     fake_step(sched)
     assert again.seqs[0].num_cached_tokens == 40
     run_to_end(sched)
     assert_no_block_in_use(kv)
     # Once the sliding group's window blocks are gone, the hit stops where that group still has them.
-    for block in kv.extra_groups[0].pool.cached_blocks.copy().values():
+    sliding = kv.groups[1]
+    for block in sliding.pool.cached_blocks.copy().values():
         if block.block_key is not None and block.block_key[1] == tuple(prompt[36:40]):
-            kv.extra_groups[0].pool.allocate(kv.extra_groups[0].pool.num_free_blocks)  # evict everything
+            sliding.pool.allocate(sliding.pool.num_free_blocks)  # evict everything
             break
-    assert kv.find_cached_prefix(create_request(prompt_token_ids=prompt + [7]).seqs[0]) == []
+    assert not kv.find_cached_prefix(create_request(prompt_token_ids=prompt + [7]).seqs[0])
 
 
 def test_forks_share_blocks_in_every_group_and_copy_on_write():
@@ -142,8 +144,9 @@ def test_forks_share_blocks_in_every_group_and_copy_on_write():
     copies = 0
     while sched.has_unfinished():
         out = fake_step(sched)
-        copies += len(out.blocks_to_copy)
-        assert len(out.blocks_to_copy) == (len(out.group_block_moves[0][2]) if out.group_block_moves else 0)
+        full_copies, sliding_copies = (len(moves[2]) for moves in out.block_moves)
+        copies += full_copies
+        assert full_copies == sliding_copies
     assert copies > 0  # the shared partial block, copied in both groups
     assert all(s.num_output_tokens == 20 for s in request.seqs)
     assert_no_block_in_use(kv)
@@ -158,8 +161,8 @@ def test_the_step_message_carries_every_group():
         out = fake_step(sched)
         back = decode_step(encode_step(out)[1])
         assert back == as_a_worker_decodes(out)
-        assert len(back.group_block_moves) == 1
-        assert all(len(n.group_block_tables) == 1 for n in back.new_seqs)
-        assert all(len(c.group_block_edits) == 1 for c in back.cached_seqs)
-        seen_moves |= any(any(m) for m in out.group_block_moves)
+        assert len(back.block_moves) == 2
+        assert all(len(n.block_tables) == 2 for n in back.new_seqs)
+        assert all(len(c.block_edits) in (0, 2) for c in back.cached_seqs)
+        seen_moves |= any(any(m) for m in out.block_moves[1:])
     assert seen_moves

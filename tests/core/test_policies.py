@@ -100,13 +100,13 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
     swapped_at = None
     for _ in range(200):
         out = step(sched)
-        if out.blocks_to_swap_out and swapped_at is None:
+        if out.block_moves[0][0] and swapped_at is None:
             swapped_at = sched.seqs_by_id[out.preempted_seq_ids[0]]
             assert swapped_at.status is SequenceStatus.SWAPPED
             computed = swapped_at.num_computed_tokens
             assert computed > 0  # swapping keeps the computed tokens
-            assert len(sched.kv_cache_manager.cpu_tables[swapped_at.seq_id]) == -(-computed // 4)
-        if out.blocks_to_swap_in:
+            assert len(sched.kv_cache_manager.groups[0].cpu_tables[swapped_at.seq_id]) == -(-computed // 4)
+        if out.block_moves[0][1]:
             # Issued a step ahead: the sequence is running again but not computed in this step.
             (seq,) = [s for s in sched.running if s is swapped_at]
             assert all(item.seq_id != seq.seq_id for item in out.scheduled)
@@ -116,7 +116,7 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
     assert swapped_at is not None and sched.stats.num_swap_outs >= 1 and sched.stats.num_recomputes == 0
     run(sched)
     assert a.seqs[0].output_token_ids == b.seqs[0].output_token_ids  # same prompt, same fake model
-    assert sched.kv_cache_manager.num_free_blocks == 8 and sched.kv_cache_manager.cpu_pool.num_free_blocks == 16
+    assert sched.kv_cache_manager.num_free_blocks == 8 and sched.kv_cache_manager.groups[0].cpu_pool.num_free_blocks == 16
 
 
 def test_auto_mode_recomputes_when_the_swap_pool_is_full():
@@ -137,7 +137,7 @@ def test_abort_a_swapped_request_returns_its_cpu_blocks():
     victim = sched.swapped[0].request
     sched.abort_request(victim)
     sched.kv_cache_manager.assert_consistent()
-    assert not sched.swapped and sched.kv_cache_manager.cpu_pool.num_free_blocks == 16
+    assert not sched.swapped and sched.kv_cache_manager.groups[0].cpu_pool.num_free_blocks == 16
     run(sched)
     assert sched.kv_cache_manager.num_free_blocks == 8
 
@@ -198,5 +198,5 @@ def test_random_arrivals_all_finish_or_are_refused_in_bounded_steps(arrivals, po
         raise AssertionError(f"not done within {bound} steps")
     assert all(r.is_finished for r in live)
     assert sched.kv_cache_manager.num_free_blocks == num_blocks
-    assert sched.kv_cache_manager.cpu_pool.num_free_blocks == num_blocks // 2
-    assert not sched.kv_cache_manager.block_tables and not sched.kv_cache_manager.cpu_tables
+    assert sched.kv_cache_manager.groups[0].cpu_pool.num_free_blocks == num_blocks // 2
+    assert not sched.kv_cache_manager.groups[0].block_tables and not sched.kv_cache_manager.groups[0].cpu_tables

@@ -9,11 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.core.kv_cache_manager import OUT_OF_WINDOW, KVCacheManager
+from pagellm.core.sched_output import CachedSeqData, TableEdit
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.speculation import SpeculativeConfig
 from tests.core.fake_model import FakeClock, fake_step, fake_token, run_to_end
 from tests.core.utils import create_request, create_scheduler
 
+
+
+def edit_of(cached: CachedSeqData) -> TableEdit | None:
+    """The one group's table edit a step sent for a sequence (None: its table did not change)."""
+    if not cached.block_edits:
+        return None
+    (edit,) = cached.block_edits
+    return edit
 
 def test_a_decode_sends_its_last_token_and_a_block_only_when_it_starts_one():
     sched = create_scheduler(block_size=4)
@@ -23,7 +32,7 @@ def test_a_decode_sends_its_last_token_and_a_block_only_when_it_starts_one():
     first = fake_step(sched)
     (new,) = first.new_seqs
     assert new.prompt_token_ids is seq.prompt_token_ids  # shared, not copied
-    assert (new.output_token_ids, new.block_table, first.cached_seqs) == ([], [0, 1, 2], [])
+    assert (new.output_token_ids, new.block_tables, first.cached_seqs) == ([], [[0, 1, 2]], [])
     for _ in range(6):
         before = list(seq.output_token_ids)
         out = fake_step(sched)
@@ -31,9 +40,9 @@ def test_a_decode_sends_its_last_token_and_a_block_only_when_it_starts_one():
         (cached,) = out.cached_seqs
         assert cached.new_token_ids == before[-1:]  # the token sampled last step, nothing more
         starts_block = out.scheduled[0].start % 4 == 0
-        assert (cached.block_edit is not None) == starts_block
+        assert (edit_of(cached) is not None) == starts_block
         if starts_block:  # the new block appended, the table's earlier entries kept
-            assert (cached.block_edit.keep, len(cached.block_edit.block_ids)) == (out.scheduled[0].start // 4, 1)
+            assert (edit_of(cached).keep, len(edit_of(cached).block_ids)) == (out.scheduled[0].start // 4, 1)
     run_to_end(sched)
 
 
@@ -73,10 +82,10 @@ def test_forked_children_start_from_their_parent_and_get_their_tables_next_step(
     assert [(c.seq_id, c.seed) for c in item.fork_children] == [(s.seq_id, s.seed) for s in request.seqs[1:]]
     out = fake_step(sched)
     assert not out.new_seqs
-    edits = {c.seq_id: c.block_edit for c in out.cached_seqs}
+    edits = {c.seq_id: edit_of(c) for c in out.cached_seqs}
     kv = sched.kv_cache_manager
     for child in request.seqs[1:]:  # the whole table, copied on write where the next token goes
-        assert edits[child.seq_id].keep == 0 and edits[child.seq_id].block_ids == kv.block_table(child)
+        assert edits[child.seq_id].keep == 0 and edits[child.seq_id].block_ids == kv.groups[0].block_table(child)
     run_to_end(sched)
 
 
@@ -95,7 +104,7 @@ def test_blocks_leaving_the_window_reach_the_runner(prompts, window, block_size,
     dead = False
     while sched.has_unfinished():
         fake_step(sched)
-        dead |= any(b is OUT_OF_WINDOW for t in kv.block_tables.values() for b in t)
+        dead |= any(b is OUT_OF_WINDOW for t in kv.groups[0].block_tables.values() for b in t)
     run_to_end(sched)
     assert dead or max(prompts) + 20 <= window + block_size
 
@@ -118,5 +127,5 @@ def test_a_sequence_computed_again_past_the_switch_gets_its_tables_whole():
     request = create_request(8, max_tokens=10)
     sched.add_request(request)
     outs = run_to_end(sched)
-    whole = [c for o in outs for c in o.cached_seqs if c.block_edit is not None and c.block_edit.keep == 0]
+    whole = [c for o in outs for c in o.cached_seqs if (e := edit_of(c)) is not None and e.keep == 0]
     assert len(whole) == 1 and request.seqs[0].num_output_tokens == 10

@@ -146,10 +146,10 @@ def test_random_workloads_keep_invariants_and_always_finish(ops, block_size, chu
             sched.abort_request(live[op[1] % len(live)])
         manager = sched.kv_cache_manager
         manager.assert_consistent()
-        assert sum(1 for b in manager.pool.blocks if b.ref_cnt) + manager.num_free_blocks == num_blocks
+        assert sum(1 for b in manager.groups[0].pool.blocks if b.ref_cnt) + manager.num_free_blocks == num_blocks
     run_to_end(sched, limit=2000)
     assert all(r.is_finished for r in live)
-    assert sched.kv_cache_manager.num_free_blocks == num_blocks and not sched.kv_cache_manager.block_tables
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks and not sched.kv_cache_manager.groups[0].block_tables
 
 
 SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]
@@ -157,9 +157,9 @@ SHARED_PREFIXES = [[7] * 12, [8, 9] * 5, list(range(20, 40))]
 
 def _slots_holding_tokens(kv: KVCacheManager, seqs) -> int:
     """Every block's fill, by walking every table block by block (what stats() avoids)."""
-    filled: dict[int, int] = {b.block_id: kv.block_size for b in kv.pinned}
+    filled: dict[int, int] = {b.block_id: kv.block_size for b in kv.groups[0].pinned}
     for s in seqs:
-        for i, block in enumerate(kv.block_tables.get(s.seq_id, ())):
+        for i, block in enumerate(kv.groups[0].block_tables.get(s.seq_id, ())):
             n = min(kv.block_size, max(0, s.num_computed_tokens - i * kv.block_size))
             filled[block.block_id] = max(filled.get(block.block_id, 0), n)
     return sum(filled.values())
@@ -198,17 +198,17 @@ def test_sharing_workloads_add_fork_abort_evict_pin_keep_invariants(ops, block_s
             fake_step(sched)
         elif op[0] == "abort" and live:
             sched.abort_request(live[op[1] % len(live)])
-        elif op[0] == "pin" and not kv.pinned:
+        elif op[0] == "pin" and not kv.groups[0].pinned:
             probe = Request("probe", None, SHARED_PREFIXES[op[1]] + [0], SamplingParams(), arrival_time=0.0).seqs[0]
-            hits = kv.find_cached_prefix(probe)
+            (hits,) = kv.find_cached_prefix(probe).blocks
             if len(hits) + sum(1 for b in hits if b.ref_cnt == 0) <= kv.num_free_blocks:
-                kv.pin(hits)
+                kv.groups[0].pin(list(hits))
         elif op[0] == "unpin":
             kv.unpin_all()
         kv.assert_consistent()
         for r in live:  # forked siblings share their blocks; no table ever holds a freed block
             for s in r.seqs:
-                assert all(b.ref_cnt >= 1 for b in kv.block_tables.get(s.seq_id, ()))
+                assert all(b.ref_cnt >= 1 for b in kv.groups[0].block_tables.get(s.seq_id, ()))
         seqs = [s for r in live for s in r.seqs]
         assert kv.stats(seqs).physical_slots_used == _slots_holding_tokens(kv, seqs)
     kv.unpin_all()
@@ -220,5 +220,5 @@ def test_sharing_workloads_add_fork_abort_evict_pin_keep_invariants(ops, block_s
                 # Forks and cache hits never changed what a sequence computed (the fake token is the position).
                 n = s.num_prompt_tokens
                 assert s.output_token_ids == [1 + (n + i) % 50 for i in range(s.num_output_tokens)]
-    assert kv.num_free_blocks == num_blocks and not kv.block_tables
+    assert kv.num_free_blocks == num_blocks and not kv.groups[0].block_tables
     kv.assert_consistent()

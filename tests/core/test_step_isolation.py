@@ -44,7 +44,7 @@ def test_a_reset_request_is_recomputed_and_keeps_its_tokens():
     step_isolation.reset(sched, a)
     seq = a.seqs[0]
     assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
-    assert seq.output_token_ids == tokens and not sched.kv_cache_manager.block_table(seq)
+    assert seq.output_token_ids == tokens and not sched.kv_cache_manager.groups[0].block_table(seq)
     out = fake_step(sched)  # prompt and tokens so far computed again, in one chunk
     assert any(it.seq_id == seq.seq_id and it.num_new_tokens == seq.num_tokens - 1 for it in out.scheduled)
     (new,) = [d for d in out.new_seqs if d.seq_id == seq.seq_id]  # the runner is told it whole again

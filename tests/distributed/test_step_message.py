@@ -27,15 +27,15 @@ def every_field() -> SchedulerOutput:
             ScheduledSeq(2, 9, 3, sample=True, draft_token_ids=[7, 8]),
             ScheduledSeq(3, 16, 8, sample=False),
         ],
-        new_seqs=[NewSeqData(1, [10, 11, 12, 13, 14], [], params, 2**64 - 1, [3, 4], ([5],)),
-                  NewSeqData(3, list(range(40)), [1, 2], params, None, [0, 0, 6, 7, 8], ([0, 9, 10],))],
-        cached_seqs=[CachedSeqData(2, [15], TableEdit(2, [11, 12], 0, 1), (None,)),
-                     CachedSeqData(6, [], None, (TableEdit(0, [1, 2]),))],
+        new_seqs=[NewSeqData(1, [10, 11, 12, 13, 14], [], params, 2**64 - 1, [[3, 4], [5]]),
+                  NewSeqData(3, list(range(40)), [1, 2], params, None, [[0, 0, 6, 7, 8], [0, 9, 10]])],
+        cached_seqs=[CachedSeqData(2, [15], [TableEdit(2, [11, 12], 0, 1), None]),
+                     CachedSeqData(6, [], [None, TableEdit(0, [1, 2])]),
+                     CachedSeqData(10, [16])],
         num_batched_tokens=16,
         preempted_seq_ids=[7, 8],
         finished_seq_ids=[9],
-        blocks_to_swap_out=[(1, 2)], blocks_to_swap_in=[(3, 4), (5, 6)], blocks_to_copy=[(7, 8)],
-        group_block_moves=[([], [(9, 10)], [(11, 12)])],
+        block_moves=[([(1, 2)], [(3, 4), (5, 6)], [(7, 8)]), ([], [(9, 10)], [(11, 12)])],
     )
 
 

@@ -45,16 +45,16 @@ def test_shared_prefix_blocks_are_shared_with_their_holders_ref_count_and_hash()
     json.dumps(state)  # JSON-able as it is
     pool = state["pool"]
     assert pool["num_blocks"] == 32 and len(pool["states"]) == 32 and pool["block_size"] == 4
-    prefix_ids = manager.block_table(a.seqs[0])[:3]
-    assert manager.block_table(b.seqs[0])[:3] == prefix_ids == manager.block_table(c.seqs[0])[:3]
+    prefix_ids = manager.groups[0].block_table(a.seqs[0])[:3]
+    assert manager.groups[0].block_table(b.seqs[0])[:3] == prefix_ids == manager.groups[0].block_table(c.seqs[0])[:3]
     for block_id in prefix_ids:
         assert pool["states"][block_id] == "s"
         assert pool["ref_counts"][block_id] == 3
         assert sorted(pool["holders"][block_id]) == sorted([a.request_id, b.request_id, c.request_id])
-        assert pool["hashes"][block_id] == short_hash(manager.pool.created_blocks[block_id].block_hash)
-    own = manager.block_table(c.seqs[0])[3]
+        assert pool["hashes"][block_id] == short_hash(manager.groups[0].pool.created_blocks[block_id].block_hash)
+    own = manager.groups[0].block_table(c.seqs[0])[3]
     assert pool["states"][own] == "u" and own not in pool["ref_counts"] and pool["holders"][own] == [c.request_id]
-    used = {b for s in (a, b, c) for b in manager.block_table(s.seqs[0])}
+    used = {b for s in (a, b, c) for b in manager.groups[0].block_table(s.seqs[0])}
     assert pool["counts"] == {"free": 32 - len(used), "used": len(used) - 3, "shared": 3, "cached": 0, "pinned": 0}
     assert state["stats"]["kv_usage"] == len(used) / 32
     assert state["stats"]["prefix_cache_hits"] == 2 * 12 and state["stats"]["prefix_cache_hit_rate"] > 0
@@ -93,7 +93,7 @@ def test_swapped_sequences_show_in_the_swap_pool_and_their_row():
     sched._preempt(c.seqs[0], out)
     assert c.seqs[0].status is SequenceStatus.SWAPPED
     state = kv_state(sched.kv_cache_manager, sched)
-    cpu_table = sched.kv_cache_manager.cpu_tables[c.seqs[0].seq_id]
+    cpu_table = sched.kv_cache_manager.groups[0].cpu_tables[c.seqs[0].seq_id]
     assert state["swap"]["num_blocks"] == 16
     assert state["swap"]["blocks"] == [[blk.block_id, c.request_id] for blk in cpu_table]
     row = next(r for r in state["requests"] if r["request_id"] == c.request_id)
@@ -108,7 +108,7 @@ def test_pinned_blocks_win_over_shared_and_name_the_pin():
     manager = sched.kv_cache_manager
     assert manager.pin_prompt(a.seqs[0]) == 3
     state = kv_state(manager, sched)
-    for block_id in manager.block_table(a.seqs[0])[:3]:
+    for block_id in manager.groups[0].block_table(a.seqs[0])[:3]:
         assert state["pool"]["states"][block_id] == "p"
         assert state["pool"]["ref_counts"][block_id] == 4
         assert PINNED_HOLDER in state["pool"]["holders"][block_id]

@@ -64,14 +64,14 @@ def test_n4_stores_the_prompt_once_and_children_match_single_seeded_runs(llama_p
     while not outs:
         outs = engine.step()
     manager = engine.kv_cache_manager
-    tables = [manager.block_table(s) for s in request.seqs]
+    tables = [manager.groups[0].block_table(s) for s in request.seqs]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == 32
-    assert all(manager.pool.blocks[b].ref_cnt == 4 for b in tables[0])
+    assert all(manager.groups[0].pool.blocks[b].ref_cnt == 4 for b in tables[0])
     assert manager.num_blocks - manager.num_free_blocks == 32  # the prompt is stored once
     engine.step()  # each child writes token 501 into the shared partial block: copy-on-write
-    tables = [manager.block_table(s) for s in request.seqs]
+    tables = [manager.groups[0].block_table(s) for s in request.seqs]
     assert all(t[:31] == tables[0][:31] for t in tables)
-    assert all(manager.pool.blocks[b].ref_cnt == 4 for b in tables[0][:31])  # full blocks never copied
+    assert all(manager.groups[0].pool.blocks[b].ref_cnt == 4 for b in tables[0][:31])  # full blocks never copied
     assert len({t[31] for t in tables}) == 4  # 3 copies + the original
     assert manager.num_blocks - manager.num_free_blocks == 35
     manager.assert_consistent()

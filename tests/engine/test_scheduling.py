@@ -53,7 +53,7 @@ def test_preemption_by_swap_or_recompute_gives_the_same_tokens(llama_path, promp
     assert len(lines) == stats.num_preemptions
     assert f"mode={mode}" in lines[0] and "kv_usage_before=" in lines[0] and "request_id=" in lines[0]
     assert_all_blocks_free(llm)
-    cpu = llm.llm_engine.kv_cache_manager.cpu_pool
+    cpu = llm.llm_engine.kv_cache_manager.groups[0].cpu_pool
     assert cpu.num_free_blocks == cpu.num_blocks
 
 

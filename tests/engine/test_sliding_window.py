@@ -39,7 +39,7 @@ def test_a_long_generation_holds_only_the_window(windowed_path):
             pass
 
         def updated(self, engine):
-            peak.append(manager.pool.num_used_blocks)
+            peak.append(manager.groups[0].pool.num_used_blocks)
 
     llm.llm_engine.step_observers.append(UsedBlocks())
     (out,) = llm.generate([list(range(5, 105))], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
@@ -57,7 +57,7 @@ def test_out_of_window_entries_keep_the_table_positions(windowed_path):
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prompt's 40 tokens: blocks 0..6 are out of a 12-token window
     (seq,) = engine.requests["r"].seqs
-    table = engine.kv_cache_manager.block_tables[seq.seq_id]
+    table = engine.kv_cache_manager.groups[0].block_tables[seq.seq_id]
     assert len(table) == 10 and table[:7] == [OUT_OF_WINDOW] * 7 and OUT_OF_WINDOW not in table[7:]
     engine.kv_cache_manager.assert_consistent()
     while engine.has_unfinished_requests():

@@ -9,7 +9,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.kv_cache_manager import cdiv, is_held
-from pagellm.core.kv_groups import HybridKVCacheManager
+from pagellm.core.kv_groups import KVCacheGroupSpec
 from pagellm.engine import startup
 from pagellm.engine.kv_state import kv_state
 from pagellm.model.default_model import build_checkpoint
@@ -55,7 +55,7 @@ def test_tokens_match_transformers_with_a_pool_per_kind_of_layer(gemma_path, exp
     llm = LLM(str(gemma_path), max_model_len=MAX_MODEL_LEN, block_size=block_size,
               num_kv_blocks=4 * cdiv(MAX_MODEL_LEN, block_size), enable_prefix_caching=True)
     manager = llm.llm_engine.kv_cache_manager
-    assert isinstance(manager, HybridKVCacheManager)
+    assert len(manager.groups) == 2
     full, sliding = manager.groups
     assert (full.sliding_window, sliding.sliding_window) == (None, WINDOW)
     assert generate(llm, PROMPTS) == expected
@@ -84,7 +84,7 @@ def test_tokens_match_transformers_under_preemption(gemma_path, expected, block_
 def test_the_sliding_group_holds_only_the_window(gemma_path):
     llm = LLM(str(gemma_path), max_model_len=512, num_kv_blocks=128, block_size=4)
     manager = llm.llm_engine.kv_cache_manager
-    assert isinstance(manager, HybridKVCacheManager)
+    assert len(manager.groups) == 2
     full, sliding = manager.groups
     held: list[tuple[int, int]] = []
 
@@ -134,7 +134,8 @@ def test_more_long_sequences_run_at_once_than_with_one_table(gemma_path, monkeyp
         return tokens, most, llm.llm_engine.scheduler.stats.num_preemptions
 
     grouped, grouped_most, grouped_preemptions = run()
-    monkeypatch.setattr(startup, "kv_cache_groups", lambda config: None)  # one table for every layer
+    monkeypatch.setattr(startup, "kv_cache_groups",  # one table for every layer
+                        lambda config, num_layers: [KVCacheGroupSpec(tuple(range(num_layers)), None)])
     shared, shared_most, shared_preemptions = run()
     assert grouped == shared
     assert shared_most <= 80 // cdiv(100, 4)  # 25 blocks each
@@ -150,7 +151,7 @@ def test_samples_beams_and_pinned_prefixes_share_blocks_in_every_group(gemma_pat
     llm = LLM(str(gemma_path), max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=160,
               enable_prefix_caching=True)
     manager = llm.llm_engine.kv_cache_manager
-    assert isinstance(manager, HybridKVCacheManager)
+    assert len(manager.groups) == 2
     # n = 3 greedy samples fork from the prompt's blocks (copy-on-write of the shared partial block).
     (out,) = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                           use_tqdm=False)
@@ -168,11 +169,12 @@ def test_samples_beams_and_pinned_prefixes_share_blocks_in_every_group(gemma_pat
     assert_all_blocks_free(llm)
     # A pinned prompt hits in both groups however many blocks went through the pools since.
     pinned = llm.preload_prefixes([PROMPTS[3]])
-    assert pinned == 25 and all(g.pinned for g in manager.groups)
+    full, sliding = manager.groups  # the whole prompt in the full group, its window in the sliding one
+    assert len(full.pinned) == 25 and 0 < len(sliding.pinned) < 25 and pinned == 25 + len(sliding.pinned)
     generate(llm, random_prompts([100] * 6, vocab=500, seed=8), max_tokens=8)
     (hit,) = llm.generate([PROMPTS[3] + [7]], greedy(4), use_tqdm=False)
     assert hit.num_cached_tokens == 100
     manager.assert_consistent()
-    assert llm.llm_engine.unpin_prefixes() == 25 and not any(g.pinned for g in manager.groups)
+    assert llm.llm_engine.unpin_prefixes() == pinned and not any(g.pinned for g in manager.groups)
     assert_all_blocks_free(llm)
     assert llm.reset_prefix_cache() and not any(g.pool.cached_blocks for g in manager.groups)

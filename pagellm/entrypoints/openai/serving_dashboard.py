@@ -59,7 +59,7 @@ def engine_settings(engine: LLMEngine, model_name: str) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "num_kv_blocks": manager.num_blocks,
-        "num_cpu_blocks": manager.cpu_pool.num_blocks if manager.cpu_pool is not None else 0,
+        "num_cpu_blocks": manager.num_cpu_blocks,
         **weight_settings(engine),
     }
     # Resolved values first; the flags as given after, without repeating a name.
