@@ -116,7 +116,8 @@ def test_swap_out_and_back_in_a_step_ahead_keeps_progress():
     assert swapped_at is not None and sched.stats.num_swap_outs >= 1 and sched.stats.num_recomputes == 0
     run(sched)
     assert a.seqs[0].output_token_ids == b.seqs[0].output_token_ids  # same prompt, same fake model
-    assert sched.kv_cache_manager.num_free_blocks == 8 and sched.kv_cache_manager.groups[0].cpu_pool.num_free_blocks == 16
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == 8 and kv.groups[0].cpu_pool.num_free_blocks == 16
 
 
 def test_auto_mode_recomputes_when_the_swap_pool_is_full():

@@ -16,7 +16,6 @@ from tests.core.fake_model import FakeClock, fake_step, fake_token, run_to_end
 from tests.core.utils import create_request, create_scheduler
 
 
-
 def edit_of(cached: CachedSeqData) -> TableEdit | None:
     """The one group's table edit a step sent for a sequence (None: its table did not change)."""
     if not cached.block_edits:
