@@ -46,11 +46,14 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagellm.entrypoints.openai.responses_store import ResponsesStore
 from pagellm.entrypoints.openai.routes import no_such_route, served_routes
 from pagellm.entrypoints.openai.serving import RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
@@ -238,12 +241,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               enable_dashboard: bool = True, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
               request_logging: RequestLogging | None = None, root_path: str = "",
-              enable_docs: bool = False) -> FastAPI:
+              enable_docs: bool = False, responses_store: ResponsesStore | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
     (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
-    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN)."""
+    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``responses_store``:
+    where the Responses API keeps responses (default: 1024 of them, 256 MiB)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
     metrics = EngineMetrics(engine, model_name)
@@ -366,9 +370,14 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    if responses_store is None:
+        responses_store = ResponsesStore(1024, 256 * 2**20)
+    responses = OpenAIServingResponses(serving, responses_store)
+    add_responses_routes(app, responses, parse_body, json_body(ResponsesRequest), STREAMS)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
-    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                           DetokenizeRequest))
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
@@ -423,6 +432,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive, finite number of seconds, "
                              f"got {getattr(args, flag)}")
     max_body = parse_memory(args.max_request_body_size)
+    responses_store = ResponsesStore(args.responses_store_max_responses, parse_memory(args.responses_store_max_bytes))
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.node_rank > 0:  # another host's model shards: node 0 serves HTTP
@@ -443,7 +453,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
-                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs)
+                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
+                    responses_store=responses_store)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

@@ -149,7 +149,7 @@ def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
     assert e.value.body["type"] == "not_found_error"
-    for path, api in [("/v1/responses", "Responses API"), ("/v1/messages", "Messages API (Anthropic's)"),
+    for path, api in [("/v1/messages", "Messages API (Anthropic's)"),
                       ("/v1/rerank", "rerank API"), ("/score", "score API"), ("/pooling", "pooling API"),
                       ("/classify", "classification API"), ("/v1/audio/transcriptions", "audio APIs"),
                       ("/v1/load_lora_adapter", "LoRA"), (ROOT + "/v1/embeddings", "embeddings API")]:
