@@ -193,3 +193,13 @@ def test_unknown_fields_are_ignored_and_background_false_accepted(server):
     assert r.status_code == 200, r.text
     assert r.json()["store"] is False
     assert "some_new_field" in server.log()
+
+
+def test_openapi_declares_the_responses_routes(server):
+    doc = httpx.get(server.url + "/openapi.json", headers=server.headers).json()
+    body = doc["paths"]["/v1/responses"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ResponsesRequest"}
+    assert "input" in doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+    assert set(doc["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
