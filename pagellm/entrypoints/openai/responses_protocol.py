@@ -81,6 +81,7 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: float | None = None
     priority: int | None = None
     cache_salt: str | None = None
+    ignore_eos: bool | None = None
 
     IGNORED: ClassVar[tuple[str, ...]] = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                                           "service_tier", "max_tool_calls", "stream_options")
@@ -292,7 +293,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], tools: li
         "logprobs": req.wants_logprobs,
         "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
     }
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt"):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt",
+                 "ignore_eos"):
         body[name] = getattr(req, name)
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -78,6 +79,44 @@ def test_a_stream_sends_the_typed_events_in_order(client):
     assert final.output[0].id == events[2].item.id
 
 
+def test_logprobs_when_include_asks_for_them(client):
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0, **asked)
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == r.usage.output_tokens == 3
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == r.output_text
+    events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0, stream=True,
+                                          **asked))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
+    assert not client.responses.create(model=MODEL, input="Hi", max_output_tokens=3).output[0].content[0].logprobs
+
+
+def aborted(server: RemoteServer) -> float:
+    return server.metric("pagellm_request_success_total", 'finished_reason="abort"')
+
+
+def test_a_client_that_goes_away_has_its_request_aborted(server):
+    before = aborted(server)
+    body = {"model": MODEL, "input": "Tell a long story", "max_output_tokens": 900, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/responses", json=body,
+                                                       headers=server.headers) as r:
+        lines = r.iter_lines()
+        assert any("response.output_text.delta" in next(lines) for _ in range(20))
+    deadline = time.time() + 10
+    while aborted(server) < before + 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert aborted(server) == before + 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/responses", json={**body, "stream": False}, headers=server.headers, timeout=0.8)
+    deadline = time.time() + 10
+    while aborted(server) < before + 2 and time.time() < deadline:
+        time.sleep(0.1)
+    assert aborted(server) == before + 2
+
+
 class Answer(BaseModel):
     answer: str
 
@@ -108,7 +147,8 @@ def test_a_function_tool_round_trip(server, client):
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
     assert r.status == "completed" and r.tools[0].name == "get_weather"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
-    follow = client.responses.create(model=MODEL, input=[user, *[o.model_dump() for o in r.output], result],
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": []}  # a reasoning model's: left out of the prompt
+    follow = client.responses.create(model=MODEL, input=[user, reasoning, *[o.model_dump() for o in r.output], result],
                                      tools=[WEATHER], tool_choice="none", max_output_tokens=4, temperature=0)
     assert follow.output[0].type == "message"
     history = [user, {"role": "assistant", "content": None, "tool_calls": [
