@@ -44,7 +44,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    input: str | list[Any] | None = None  # items are checked as they are translated, naming the item
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -126,7 +126,7 @@ class ResponsesRequest(BaseModel):
 
 
 # ------------------------------------------------------------------ input items -> chat messages
-def input_items(value: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def input_items(value: str | list[Any] | None) -> list[Any]:
     """``input`` as a list of items: a string is one user message."""
     if value is None:
         return []

@@ -215,6 +215,7 @@ def test_retrieve_delete_and_a_store_that_forgets(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0",
      "input_image"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+    ({"input": ["Hi"]}, "input.0", "must be an object"),
     ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}}, "text.format", ""),
     ({"tool_choice": {"type": "function", "name": "missing"}, "tools": [WEATHER]}, "tool_choice", "missing"),
 ])
