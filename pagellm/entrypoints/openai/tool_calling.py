@@ -61,8 +61,9 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
-def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool.
+def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    """One call of one of ``tools``: ``{"name": ..., arguments_key: {...}}``, its arguments matching the
+    tool's ``parameters``.
 
     A tool's ``parameters`` that refer to their own definitions (``$ref: "#/$defs/Loc"``, as pydantic
     writes them) would resolve against the combined schema's root: such a tool's whole schema moves
@@ -78,10 +79,20 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
             params = {"$ref": f"#/$defs/{key}"}
         items.append({"type": "object",
                       "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                     "parameters": params},
-                      "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                                     arguments_key: params},
+                      "required": ["name", arguments_key], "additionalProperties": False})
+    schema: dict[str, Any] = items[0] if len(items) == 1 else {"anyOf": items}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return schema
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool, as
+    ``{"name": ..., "parameters": {...}}`` (as vLLM does)."""
+    call = call_schema(tools, "parameters")
+    defs = call.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
     if defs:
         schema["$defs"] = defs
     if not parallel:
