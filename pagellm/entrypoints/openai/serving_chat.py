@@ -18,13 +18,14 @@ from pagellm.entrypoints.openai.chat_prompt import (
     detect_content_format,
     template_options,
 )
+from pagellm.entrypoints.openai.content_tokens import TokenStarts, content_token_count
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
 from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.entrypoints.openai.tool_calling import ToolCallStream, ToolMode, message_tool_calls, tool_mode
 from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
-from pagellm.outputs import Logprob
+from pagellm.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("pagellm.server")
 
@@ -121,12 +122,18 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({
                 "index": c.index,
                 "message": message,
-                "logprobs": ({"content": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)}
-                             if req.logprobs else None),
+                "logprobs": self._final_logprobs(job, c, req.top_logprobs or 0) if req.logprobs else None,
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
             })
         return envelope.body(choices, usage=self._usage(job))
+
+    def _final_logprobs(self, job: Job, c: CompletionOutput, top_n: int) -> dict[str, Any]:
+        """A finished choice's ``logprobs``: its content's tokens (content_tokens.py)."""
+        starts = (TokenStarts(self.tokenizer, job.prompt_ids[0], job.params.skip_special_tokens)
+                  if isinstance(c.stop_reason, str) else None)
+        k = content_token_count(c, job.params, len(c.text), starts)
+        return {"content": self._chat_logprobs(c.token_ids[:k], (c.logprobs or [])[:k], top_n)}
 
     @staticmethod
     def _chat_logprobs(token_ids: list[int], entries: list | None, top_n: int) -> list[dict[str, Any]]:
@@ -148,6 +155,9 @@ class OpenAIServingChat(OpenAIServing):
         states: dict[int, ChoiceState] = {}
         # Per choice: the tool calls sent so far, where the output may hold some.
         calls: dict[int, ToolCallStream] = {}
+        # Per choice, with stop strings: where its tokens' text starts (the logprobs sent are those of
+        # the text sent).
+        starts: dict[int, TokenStarts] = {}
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         top_n = req.top_logprobs or 0
 
@@ -179,10 +189,16 @@ class OpenAIServingChat(OpenAIServing):
                                      "stop_reason": c.stop_reason}, len(c.token_ids))
                     continue
                 delta = visible[st.text_sent:]
-                if req.logprobs and len(c.token_ids) > st.tokens_sent:
-                    logprobs = {"content": self._chat_logprobs(
-                        c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:], top_n)}
-                    st.tokens_sent = len(c.token_ids)
+                if req.logprobs:
+                    spans = None
+                    if job.params.stop_strings:
+                        spans = starts.setdefault(c.index, TokenStarts(self.tokenizer, job.prompt_ids[0],
+                                                                       job.params.skip_special_tokens))
+                    k = content_token_count(c, job.params, len(visible), spans)
+                    if k > st.tokens_sent:
+                        logprobs = {"content": self._chat_logprobs(
+                            c.token_ids[st.tokens_sent:k], (c.logprobs or [])[st.tokens_sent:k], top_n)}
+                        st.tokens_sent = k
                 if delta or logprobs:
                     st.text_sent += len(delta)
                     yield chunk({"index": c.index, "delta": {"content": delta}, "logprobs": logprobs,

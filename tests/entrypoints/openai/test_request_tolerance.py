@@ -1,12 +1,13 @@
 """Requests as clients send them to vLLM: replayed histories, nulls, newer fields, unknown fields
-(ignored with a warning, or refused under --strict-requests) and the chat template's arguments. The
-real server, driven with the `openai` client."""
+(ignored with a warning, or refused under --strict-requests), the chat template's arguments, and
+chat logprobs that describe the content. The real server, driven with the `openai` client."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from pagellm.entrypoints.openai.chat_prompt import conversation, detect_content_format
 from pagellm.entrypoints.openai.protocol import ChatMessage
@@ -165,3 +166,42 @@ def test_content_format_detection_and_message_conversion():
     (assistant, result) = conversation(msgs, "string")
     assert assistant["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
     assert assistant["reasoning_content"] == "r" and result == {"role": "tool", "content": "2", "name": "f"}
+
+
+# ----------------------------------------------- item 7: logprobs describe the content
+def _joined(logprobs) -> str:
+    return "".join(t.token for t in logprobs.content)
+
+
+def test_chat_logprobs_leave_out_the_end_of_turn_token(client, llama_path):
+    eos = AutoTokenizer.from_pretrained(str(llama_path)).eos_token_id
+    kw = dict(model=MODEL, messages=HI, max_tokens=20, temperature=0, logprobs=True, top_logprobs=1,
+              logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and r.usage.completion_tokens == 4  # 3 tokens, then the end of turn
+    assert len(c.logprobs.content) == 3 and _joined(c.logprobs) == c.message.content
+    chunks = [ch for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in c.logprobs.content]
+
+
+def test_chat_logprobs_leave_out_a_stop_strings_tokens(client):
+    kw = dict(model=MODEL, messages=HI, max_tokens=12, temperature=0, logprobs=True,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0]
+    tokens = [t.token for t in full.logprobs.content]
+    assert _joined(full.logprobs) == full.message.content and len(tokens) == 12
+    # A stop string made of the 7th and 8th tokens' text: content ends before it, so do the logprobs.
+    stop = tokens[6] + tokens[7]
+    cut = full.message.content.index(stop)
+    for stream in (False, True):
+        if stream:
+            chunks = [ch for ch in client.chat.completions.create(**kw, stop=[stop], stream=True) if ch.choices]
+            content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+            got = [t.token for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+        else:
+            c = client.chat.completions.create(**kw, stop=[stop]).choices[0]
+            content, got = c.message.content, [t.token for t in c.logprobs.content]
+        assert content == full.message.content[:cut]
+        assert "".join(got) == content, (stream, got, content)
