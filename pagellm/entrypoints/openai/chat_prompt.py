@@ -5,6 +5,7 @@ arguments (``add_generation_prompt``, ``continue_final_message``, ``documents``,
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import logging
@@ -179,18 +180,20 @@ def detect_content_format(template: Any) -> ContentFormat:
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's contents, or the template itself (vLLM's rule: text with a Jinja
-    block or variable is a template; anything else must be a file)."""
+    """``--chat-template``, read as vLLM reads it: a file's contents; else, where the text has a brace
+    or a newline, the template itself, its backslash escapes decoded (a shell argument's ``\\n`` is a
+    newline); anything else is a file that is missing."""
     if value is None:
         return None
-    if "{%" in value or "{{" in value:
-        template = value
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
-                             "(one with {{ ... }} or {% ... %})")
+    path = Path(value).expanduser()
+    if path.is_file():
         template = path.read_text()
+    elif any(c in value for c in "{}\n"):
+        # (Characters beyond Latin-1 go through as escapes, so that decoding keeps them.)
+        template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
+                         "(one with {{ ... }} or {% ... %})")
     # Compiled the way transformers renders it (its sandbox and extensions: break/continue, generation).
     from transformers.utils.chat_template_utils import _compile_jinja_template
 

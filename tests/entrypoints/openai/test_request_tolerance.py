@@ -9,7 +9,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pagellm.entrypoints.openai.chat_prompt import conversation, detect_content_format
+from pagellm.entrypoints.openai.chat_prompt import conversation, detect_content_format, load_chat_template
 from pagellm.entrypoints.openai.protocol import ChatMessage
 from tests.entrypoints.openai.server_utils import RemoteServer
 
@@ -153,6 +153,15 @@ def test_string_content_format_and_continue_final_message(server, client):
         client.chat.completions.create(model=MODEL, messages=start, max_tokens=2,
                                        extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+
+
+def test_an_inline_chat_template_has_its_escapes_decoded_as_in_vllm(tmp_path):
+    # A shell argument's \\n is a newline; characters beyond Latin-1 survive.
+    assert load_chat_template("{{ 'é→' }}\\n{% for m in messages %}{{ m.content }}{% endfor %}") == (
+        "{{ 'é→' }}\n{% for m in messages %}{{ m.content }}{% endfor %}")
+    braces = tmp_path / "{odd}.jinja"  # a file is a file, whatever its name holds
+    braces.write_text("{{ 'x' }}\\n")
+    assert load_chat_template(str(braces)) == "{{ 'x' }}\\n"
 
 
 def test_content_format_detection_and_message_conversion():
