@@ -46,10 +46,11 @@ class TemplateOptions:
 
 def template_options(add_generation_prompt: bool, continue_final_message: bool,
                      documents: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
-                     messages: list[ChatMessage]) -> TemplateOptions:
+                     messages: list[ChatMessage], reasoning_effort: str | None = None) -> TemplateOptions:
     """The options of a request; a 400 naming the field for the combinations vLLM refuses. As in
-    vLLM, ``chat_template_kwargs`` may also set the three named arguments."""
-    kwargs = dict(kwargs or {})
+    vLLM, ``chat_template_kwargs`` may also set the three named arguments, and ``reasoning_effort``
+    is one more template variable (where ``chat_template_kwargs`` does not set it)."""
+    kwargs = {**({"reasoning_effort": reasoning_effort} if reasoning_effort is not None else {}), **(kwargs or {})}
     if "chat_template" in kwargs:
         raise APIError(400, "'chat_template_kwargs.chat_template' is not supported by this server: start it with "
                             "--chat-template instead", param="chat_template_kwargs")

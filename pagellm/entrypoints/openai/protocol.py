@@ -238,12 +238,12 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any | None = None
     prediction: Any | None = None
     web_search_options: Any | None = None
-    reasoning_effort: Any | None = None
     verbosity: Any | None = None
     # vLLM's chat extensions that change the prompt: the template's arguments (chat_prompt.py).
     continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt false)
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking)
+    reasoning_effort: str | None = None  # as vLLM: a variable of the template (gpt-oss's reads it)
     # Declared only to be refused by name (REFUSED).
     echo: bool | None = None
     add_special_tokens: bool | None = None
@@ -253,7 +253,7 @@ class ChatCompletionRequest(SamplingFields):
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingFields.REFUSED,
         "functions": ([],), "function_call": ("none",), "audio": (),
-        "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+        "modalities": (["text"],), "prediction": (), "web_search_options": (), "verbosity": (),
         "echo": (False,), "add_special_tokens": (False,), "chat_template": (),
     }
 

@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs("top_logprobs", req.top_logprobs)
         options = template_options(req.add_generation_prompt, req.continue_final_message, req.documents,
-                                   req.chat_template_kwargs, req.messages)
+                                   req.chat_template_kwargs, req.messages, req.reasoning_effort)
         # As vLLM: --response-role where the template adds a generation prompt, else the role of the
         # last message (which the reply continues).
         role = self.response_role if options.add_generation_prompt else req.messages[-1].role

@@ -21,7 +21,7 @@ PARTS_TEMPLATE = (
     "{% if m.reasoning_content %}[think:{{ m.reasoning_content }}]{% endif %}{% endfor %}"
     "{% for d in documents or [] %}[doc:{{ d['text'] }}]{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
-    "<nothink>{% endif %}{% endif %}"
+    "<nothink>{% endif %}{% endif %}{% if reasoning_effort %}<effort:{{ reasoning_effort }}>{% endif %}"
 )
 
 
@@ -133,7 +133,9 @@ def test_chat_template_kwargs_documents_and_openai_content_format(strict_server)
     assert text == "<|user|>a|b|<|assistant|>c|[think:r]<|user|>d|[doc:doc one]<|assistant|><nothink>"
     assert rendered(strict_server, messages=HI).endswith("<|assistant|>")
     client = openai.OpenAI(base_url=strict_server.url + "/v1", api_key="x", max_retries=0)
+    effort = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, reasoning_effort="low")
     base = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    assert effort.usage.prompt_tokens > base.usage.prompt_tokens  # vLLM's: a variable of the template
     off = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False},
                                                      "documents": [{"text": "doc one"}]})

@@ -327,8 +327,6 @@ BAD_INPUTS = [
     ("chat echo", "/v1/chat/completions", {**CHAT, "echo": True}, None, 400, "'echo' is not supported"),
     ("per-request chat template", "/v1/chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, None, 400,
      "'chat_template' is not supported"),
-    ("reasoning effort", "/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, None, 400,
-     "'reasoning_effort' is not supported"),
     ("truncate_prompt_tokens 0", "/v1/completions", {**GOOD, "truncate_prompt_tokens": 0}, None, 400,
      "truncate_prompt_tokens"),
     ("too many stop strings", "/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(65)]}, None, 400,
