@@ -37,7 +37,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.phases import log_ready
 from pagellm.engine.stats_logger import StatsLogger
-from pagellm.entrypoints.openai.chat_prompt import load_chat_template, template_options  # noqa: F401 (re-exported)
+from pagellm.entrypoints.openai.chat_prompt import load_chat_template, template_options
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
 from pagellm.entrypoints.openai.protocol import (

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from pagellm.entrypoints.openai.api_server import load_chat_template
+from pagellm.entrypoints.openai.chat_prompt import load_chat_template
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.serving import ending_with_an_error_event, sse
 from tests.entrypoints.openai.server_utils import RemoteServer
