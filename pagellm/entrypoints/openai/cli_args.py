@@ -56,6 +56,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")
+    s.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="how the chat template reads a message's content: string (text parts joined by newlines), "
+                        "openai (a list of {'type': 'text', 'text': ...} parts), or auto: openai where the template "
+                        "loops over a message's content, else string (as vLLM)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let tool_choice 'auto' (the default when tools are given) read tool calls from the output "
                         "with --tool-call-parser; 'required' and named functions need neither flag")
@@ -100,6 +104,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="no access log line per HTTP request (uvicorn logs them at info: --uvicorn-log-level info)")
     s.add_argument("--response-role", default="assistant",
                    help="the role of chat responses' messages (with add_generation_prompt false: the last message's)")
+    s.add_argument("--strict-requests", action="store_true",
+                   help="answer 400 to a request with a field no OpenAI or vLLM body defines (default: such fields "
+                        "are ignored, with one warning per request naming them, as vLLM does)")
     s.add_argument("--root-path", default=None,
                    help="the path prefix a proxy serves this server under, e.g. /llm (FastAPI's root_path: requests "
                         "come with or without it; the OpenAPI schema names it) (default: none)")

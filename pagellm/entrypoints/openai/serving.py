@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -100,7 +100,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
                  aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, response_role: str = "assistant",
-                 request_logging: RequestLogging | None = None) -> None:
+                 request_logging: RequestLogging | None = None, chat_template_content_format: str = "auto") -> None:
         self.engine = engine
         self.response_role = response_role  # --response-role
         self.request_logging = request_logging
@@ -115,6 +115,10 @@ class OpenAIServing:
         self.defaults = self.llm.default_sampling_fields
         self.max_model_len = self.llm.max_model_len
         self.chat_template = chat_template  # None: the tokenizer's own
+        # --chat-template-content-format: message content as a string or as OpenAI's list of parts
+        # (None: auto, decided from the template on first use).
+        self._content_format: Literal["string", "openai"] | None = (
+            None if chat_template_content_format == "auto" else chat_template_content_format)  # type: ignore[assignment]
         # Tokenizing (and chat templates) off the event loop, so that a long prompt does not stall
         # every other client's stream; one thread, so requests' tokenizations never overlap.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")
