@@ -238,15 +238,16 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               enable_dashboard: bool = True, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
               request_logging: RequestLogging | None = None, root_path: str = "",
-              enable_docs: bool = False) -> FastAPI:
+              enable_docs: bool = False, metrics_prefix: str = "both") -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
     (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
-    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN)."""
+    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``metrics_prefix``:
+    the names /metrics exposes (vllm, pagellm or both)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
-    metrics = EngineMetrics(engine, model_name)
+    metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
     async_engine.step_callbacks.append(metrics.on_step)
     if not engine.args.disable_log_stats:
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
@@ -443,7 +444,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
-                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs)
+                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
+                    metrics_prefix=args.metrics_prefix)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,
