@@ -149,8 +149,7 @@ def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
     assert e.value.body["type"] == "not_found_error"
-    for path, api in [("/v1/responses", "Responses API"), ("/v1/messages", "Messages API (Anthropic's)"),
-                      ("/v1/rerank", "rerank API"), ("/score", "score API"), ("/pooling", "pooling API"),
+    for path, api in [("/v1/responses", "Responses API"), ("/v1/rerank", "rerank API"), ("/score", "score API"), ("/pooling", "pooling API"),
                       ("/classify", "classification API"), ("/v1/audio/transcriptions", "audio APIs"),
                       ("/v1/load_lora_adapter", "LoRA"), (ROOT + "/v1/embeddings", "embeddings API")]:
         r = httpx.post(server.url + path, json={})
@@ -164,7 +163,7 @@ def test_an_unknown_route_lists_the_routes_served(server):
     assert set(err) == {"message", "type", "param", "code"}
     message = err["message"]
     assert message.startswith("no such route: GET /v1/nothing. This server's routes: ")
-    for route in ("GET /v1/models", "POST /v1/completions", "POST /tokenize", "POST /detokenize", "GET /health",
+    for route in ("GET /v1/models", "POST /v1/completions", "POST /v1/messages", "POST /tokenize", "POST /detokenize", "GET /health",
                   "GET /metrics", "GET /dashboard", "GET /v1/kv_cache/state"):
         assert route in message, route
     near = httpx.post(server.url + "/v1/completion", json={}).json()["error"]["message"]
