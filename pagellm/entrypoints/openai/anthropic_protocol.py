@@ -49,9 +49,18 @@ class CountTokensRequest(_Body):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    # format: a JSON schema the answer follows (structured outputs); effort: ignored (no reasoning here).
+    output_config: dict[str, Any] | None = None
+    # Accepted and ignored: they change nothing that is generated here.
+    cache_control: dict[str, Any] | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
     # Refused by name: no reasoning parser here.
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
+
+    IGNORED: ClassVar[tuple[str, ...]] = ("cache_control", "speed", "user_profile_id", "workspace_id")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -66,11 +75,14 @@ class MessagesRequest(CountTokensRequest):
     # Accepted and ignored: they change nothing that is generated.
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
     # Refused by name.
     container: Any | None = None
     context_management: Any | None = None
 
-    IGNORED: ClassVar[tuple[str, ...]] = ("metadata", "service_tier")
+    IGNORED: ClassVar[tuple[str, ...]] = (*CountTokensRequest.IGNORED, "metadata", "service_tier", "inference_geo",
+                                          "diagnostics")
 
 
 REFUSED = {
@@ -87,7 +99,7 @@ def check_refused(req: CountTokensRequest) -> None:
     for name, message in REFUSED.items():
         if getattr(req, name, None) is not None:
             raise APIError(400, message, param=name)
-    for name in getattr(req, "IGNORED", ()):
+    for name in req.IGNORED:
         if name in req.model_fields_set:
             note_ignored(name)
 
@@ -169,9 +181,6 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         if kind not in (None, "custom"):
             raise APIError(400, f"tools.{i}: tools of type {kind!r} (Anthropic's server tools) are not supported "
                                 "here; give custom tools with a name and an input_schema", param=f"tools.{i}")
-        unknown = set(tool) - {"type", "name", "description", "input_schema", "cache_control"}
-        if unknown:
-            raise APIError(400, f"unknown field 'tools.{i}.{sorted(unknown)[0]}': remove it", param=f"tools.{i}")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise APIError(400, f"tools.{i}: a tool needs a 'name'", param=f"tools.{i}.name")
         schema = tool.get("input_schema")
@@ -203,6 +212,17 @@ def _chat_tool_choice(choice: dict[str, Any] | None, tools: list[dict[str, Any]]
                         f"{{'type': 'tool', 'name': ...}}, got {choice!r}", param="tool_choice")
 
 
+def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config.format`` (``{"type": "json_schema", "schema": {...}}``) as chat's ``response_format``."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': {...}}",
+                       param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request that generates ``req``'s answer."""
     check_refused(req)
@@ -215,6 +235,9 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         body["tool_choice"] = tool_choice
     if parallel is not None:
         body["parallel_tool_calls"] = parallel
+    response_format = _response_format(req.output_config)
+    if response_format is not None:
+        body["response_format"] = response_format
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream)
         for name in ("temperature", "top_p", "top_k"):

@@ -131,6 +131,16 @@ def test_a_tool_result_continues_the_conversation(server):
     assert counted["input_tokens"] == r.json()["usage"]["input_tokens"]
 
 
+def test_output_config_format_constrains_the_answer_and_other_fields_pass(server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = {"model": MODEL, "max_tokens": 30, "messages": USER, "output_config": {"format": {
+        "type": "json_schema", "schema": schema}, "effort": "low"}, "metadata": {"user_id": "u1"},
+        "cache_control": {"type": "ephemeral"}, "service_tier": "auto", "speed": "standard"}
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["content"][0]["text"]), schema)
+
+
 ERRORS = [
     # (body changes, status, error type, words of the message)
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
@@ -141,6 +151,8 @@ ERRORS = [
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error",
      "web_search_20250305"),
     ({"max_tokens": 5000}, 400, "invalid_request_error", "max_tokens"),
+    ({"output_config": {"format": {"type": "regex"}}}, 400, "invalid_request_error", "output_config.format"),
+    ({"unknown_field": 1}, 400, "invalid_request_error", "unknown_field"),
 ]
 
 
