@@ -165,6 +165,11 @@ def test_errors_take_anthropics_shape(server, change, status, kind, words):
     assert err["type"] == "error" and err["error"]["type"] == kind and words in err["error"]["message"], err
 
 
+def test_a_body_over_the_limit_is_anthropics_413(server):
+    r = post(server, {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * (2 << 20)}]})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+
+
 def test_the_key_comes_as_x_api_key_or_bearer(server):
     body = {"model": MODEL, "max_tokens": 2, "messages": USER}
     assert post(server, body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
