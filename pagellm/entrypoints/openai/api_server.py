@@ -37,6 +37,12 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.phases import log_ready
 from pagellm.engine.stats_logger import StatsLogger
+from pagellm.entrypoints.openai.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_body,
+    is_anthropic_path,
+)
 from pagellm.entrypoints.openai.chat_prompt import load_chat_template, template_options
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
@@ -51,6 +57,7 @@ from pagellm.entrypoints.openai.serving import RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
+from pagellm.entrypoints.openai.serving_messages import add_messages_routes
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
@@ -70,6 +77,9 @@ class BodyReadTimeout(Exception):
 class GuardMiddleware:
     """API key check (constant-time) on every route but /health, a request-body size limit, and a
     deadline for the body (a client trickling it in holds a connection, not the server).
+
+    The key comes as ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``;
+    on the Messages routes the errors take Anthropic's shape.
 
     Under ``browser_paths`` (the dashboard) the key may also come as the password of HTTP Basic
     credentials, which a browser asks its user for and then sends with every request of the page.
@@ -96,8 +106,10 @@ class GuardMiddleware:
             return b""
         return decoded.partition(b":")[2]  # any user name: the password is the key
 
-    def _authorized(self, auth: bytes, browser: bool = False) -> bool:
-        if auth[:7].lower() == b"bearer ":
+    def _authorized(self, auth: bytes, browser: bool = False, x_api_key: bytes = b"") -> bool:
+        if x_api_key and not auth:
+            token = x_api_key.strip()
+        elif auth[:7].lower() == b"bearer ":
             token = auth[7:].strip()
         elif browser and auth[:6].lower() == b"basic ":
             token = self._basic_password(auth)
@@ -115,18 +127,19 @@ class GuardMiddleware:
         path = get_route_path(scope)  # without --root-path
         if self.api_keys and path != "/health":
             auth = headers.get(b"authorization", b"")
+            x_api_key = headers.get(b"x-api-key", b"")
             browser = self._in_browser_path(path)
-            if not self._authorized(auth, browser):
-                message = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
-                           else "invalid API key")
+            if not self._authorized(auth, browser, x_api_key):
+                message = ("missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+                           if not auth and not x_api_key else "invalid API key")
                 # A browser shows its password prompt on a Basic challenge (the key as the password).
                 challenge = 'Basic realm="pagellm", charset="UTF-8"' if browser else "Bearer"
-                await JSONResponse(error_body(401, message), status_code=401,
+                await JSONResponse(self._error_body(path, 401, message), status_code=401,
                                    headers={"WWW-Authenticate": challenge})(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, path)
             return
         seen = 0
         deadline = time.monotonic() + self.body_read_timeout
@@ -149,9 +162,14 @@ class GuardMiddleware:
 
         await self.app(scope, limited_receive, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(413, f"the request body is larger than the limit of {plural(self.max_body_bytes, 'byte')}; "
-                               "send less, or start the server with a larger --max-request-body-size")
+    @staticmethod
+    def _error_body(path: str, status: int, message: str) -> dict[str, Any]:
+        return anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(status, message)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        body = self._error_body(path, 413, f"the request body is larger than the limit of "
+                                           f"{plural(self.max_body_bytes, 'byte')}; send less, or start the server "
+                                           "with a larger --max-request-body-size")
         await JSONResponse(body, status_code=413)(scope, receive, send)
 
 
@@ -249,17 +267,18 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
               request_logging: RequestLogging | None = None, root_path: str = "",
               enable_docs: bool = False, strict_requests: bool = False,
-              chat_template_content_format: str = "auto") -> FastAPI:
+              chat_template_content_format: str = "auto", metrics_prefix: str = "both") -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
     (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
     ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``strict_requests``:
     a 400 for fields no model declares, rather than a warning (``--strict-requests``);
-    ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto."""
+    ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto;
+    ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
-    metrics = EngineMetrics(engine, model_name)
+    metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
     async_engine.step_callbacks.append(metrics.on_step)
     if not engine.args.disable_log_stats:
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
@@ -382,9 +401,11 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    add_messages_routes(app, serving, parse_body, json_body, STREAMS)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
-    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                           MessagesRequest, CountTokensRequest))
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
@@ -438,7 +459,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
                     root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
                     strict_requests=args.strict_requests,
-                    chat_template_content_format=args.chat_template_content_format)
+                    chat_template_content_format=args.chat_template_content_format,
+                    metrics_prefix=args.metrics_prefix)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

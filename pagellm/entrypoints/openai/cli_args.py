@@ -18,6 +18,8 @@ logger = logging.getLogger("pagellm.server")
 DEFAULT_MAX_BODY = "1MiB"
 # --tool-call-parser's choices (tool_parsers.TOOL_PARSERS, named here so that --help imports nothing).
 TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral")
+# --metrics-prefix's choices (engine/metric_families.METRICS_PREFIXES; named here for the same reason).
+METRICS_PREFIXES = ("vllm", "pagellm", "both")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -85,6 +87,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
                    help="uvicorn's own log level")
+    s.add_argument("--metrics-prefix", default="both", choices=METRICS_PREFIXES,
+                   help="the names GET /metrics exposes: vLLM's (vllm:num_requests_running, ..., with its labels "
+                        "model_name and engine and its buckets, for vLLM's Grafana dashboard, KEDA scalers and "
+                        "the Gateway API inference extension), pagellm's own (pagellm_...), or both")
     s.add_argument("--disable-dashboard", action="store_true",
                    help="do not serve the live KV cache dashboard (GET /dashboard) nor its state "
                         "(GET /v1/kv_cache/state)")

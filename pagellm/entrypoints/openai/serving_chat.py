@@ -62,6 +62,39 @@ class OpenAIServingChat(OpenAIServing):
         return self.tokenizer.decode(ids), ids
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        job, mode, role = await self.start_chat(req)
+        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
+        if req.stream:
+            envelope.object = "chat.completion.chunk"
+            return self._sse(self._chat_chunks(job, req, envelope, role, mode))
+        finals = await self._collect(job, http)
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        (out,) = finals
+        choices = []
+        for c in out.outputs:
+            message: dict[str, Any] = {"role": role, "content": c.text}
+            finish = c.finish_reason
+            if mode.kind != "none":
+                parsed = mode.parse(c.text, final=True)
+                if parsed.tools_called:
+                    message = {"role": role, "content": parsed.content or None,
+                               "tool_calls": message_tool_calls(parsed)}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": self._final_logprobs(job, c, req.top_logprobs or 0) if req.logprobs else None,
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason,
+            })
+        return envelope.body(choices, usage=self._usage(job))
+
+    async def start_chat(self, req: ChatCompletionRequest,
+                         id_prefix: str = "chatcmpl") -> tuple[Job, ToolMode, str]:
+        """The request checked, its messages through the chat template, its engine request queued: the
+        job, how its output becomes content and tool calls, and the reply's role (also the Anthropic
+        Messages route's path)."""
         self.check_model(req.model)
         self._check_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -100,33 +133,7 @@ class OpenAIServingChat(OpenAIServing):
             raise from_value_error(e) from e
         await self.compile_constraint(params, constraint_field)
         self._check_length(len(ids), max_tokens, what="messages", max_tokens_name=limit_name)
-        job = self._start([(text, ids)], params, req, "chatcmpl")
-        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
-        if req.stream:
-            envelope.object = "chat.completion.chunk"
-            return self._sse(self._chat_chunks(job, req, envelope, role, mode))
-        finals = await self._collect(job, http)
-        if finals is None:
-            return JSONResponse({}, status_code=499)
-        (out,) = finals
-        choices = []
-        for c in out.outputs:
-            message: dict[str, Any] = {"role": role, "content": c.text}
-            finish = c.finish_reason
-            if mode.kind != "none":
-                parsed = mode.parse(c.text, final=True)
-                if parsed.tools_called:
-                    message = {"role": role, "content": parsed.content or None,
-                               "tool_calls": message_tool_calls(parsed)}
-                    finish = "tool_calls" if finish == "stop" else finish
-            choices.append({
-                "index": c.index,
-                "message": message,
-                "logprobs": self._final_logprobs(job, c, req.top_logprobs or 0) if req.logprobs else None,
-                "finish_reason": finish,
-                "stop_reason": c.stop_reason,
-            })
-        return envelope.body(choices, usage=self._usage(job))
+        return self._start([(text, ids)], params, req, id_prefix), mode, role
 
     def _final_logprobs(self, job: Job, c: CompletionOutput, top_n: int) -> dict[str, Any]:
         """A finished choice's ``logprobs``: its content's tokens (content_tokens.py)."""

@@ -246,6 +246,14 @@ def test_metrics_exposes_every_documented_series(server, client):
         assert f'{name}{{model_name="{MODEL}"' in text or f"{name}{{" in text, name
     assert server.metric("pagellm_request_success_total", 'finished_reason="length"') >= 1
     assert server.metric("pagellm_generation_throughput") > 0
+    # vLLM's names too (--metrics-prefix both, the default), with its labels.
+    vllm_labels = f'{{engine="0",model_name="{MODEL}"}}'
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count"]:
+        assert name + vllm_labels in text, name
+    assert server.metric("vllm:request_success_total", 'finished_reason="length"') >= 1
 
 
 # --------------------------------------------------------------- bad input
