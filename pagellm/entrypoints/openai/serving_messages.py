@@ -172,7 +172,7 @@ class ServingMessages:
         self.chat.check_model(chat.model)
         tools = ([t.model_dump(exclude_none=True) for t in chat.tools]
                  if chat.tools and chat.tool_choice != "none" else None)
-        ids = await self.chat.off_loop(self.chat.chat_prompt_ids, chat.messages, True, tools)
+        ids = await self.chat.off_loop(self.chat.chat_prompt_ids, chat.messages, None, tools)
         return {"input_tokens": len(ids)}
 
 
