@@ -267,7 +267,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
               request_logging: RequestLogging | None = None, root_path: str = "",
               enable_docs: bool = False, strict_requests: bool = False,
-              chat_template_content_format: str = "auto", metrics_prefix: str = "both") -> FastAPI:
+              chat_template_content_format: str = "auto", metrics_prefix: str = "both",
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
@@ -275,7 +276,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``strict_requests``:
     a 400 for fields no model declares, rather than a warning (``--strict-requests``);
     ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto;
-    ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both)."""
+    ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both); ``reasoning_parser``: how a
+    reasoning model's thinking is told from its answer (``--reasoning-parser``)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
     metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
@@ -286,7 +288,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases),
                             tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                             response_role=response_role, request_logging=request_logging,
-                            chat_template_content_format=chat_template_content_format)
+                            chat_template_content_format=chat_template_content_format,
+                            reasoning_parser=reasoning_parser)
     dashboard = Dashboard(async_engine, model_name) if enable_dashboard else None
     if dashboard is not None:
         async_engine.step_callbacks.append(dashboard.on_step)
@@ -460,7 +463,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
                     strict_requests=args.strict_requests,
                     chat_template_content_format=args.chat_template_content_format,
-                    metrics_prefix=args.metrics_prefix)
+                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

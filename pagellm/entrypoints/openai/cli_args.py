@@ -17,7 +17,9 @@ logger = logging.getLogger("pagellm.server")
 
 DEFAULT_MAX_BODY = "1MiB"
 # --tool-call-parser's choices (tool_parsers.TOOL_PARSERS, named here so that --help imports nothing).
-TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "generic", "hermes", "qwen", "qwen3_coder", "llama3_json", "mistral", "pythonic")
+# --reasoning-parser's choices (reasoning_parsers.REASONING_PARSERS).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "think")
 # --metrics-prefix's choices (engine/metric_families.METRICS_PREFIXES; named here for the same reason).
 METRICS_PREFIXES = ("vllm", "pagellm", "both")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -63,10 +65,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "openai (a list of {'type': 'text', 'text': ...} parts), or auto: openai where the template "
                         "loops over a message's content, else string (as vLLM)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let tool_choice 'auto' (the default when tools are given) read tool calls from the output "
-                        "with --tool-call-parser; 'required' and named functions need neither flag")
-    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                   help="the model's tool-call format: hermes (and qwen: <tool_call> JSON), llama3_json, mistral")
+                   help="accepted as vLLM's; tool_choice 'auto' (the default when tools are given) works without it")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format: auto (the one its chat template speaks; generic where the "
+                        "template renders no tools: the tools go into the system prompt and a grammar holds the "
+                        "answer to text or <tool_call> JSON calls), hermes (and qwen: <tool_call> JSON), "
+                        "qwen3_coder (XML), llama3_json, mistral, pythonic (Llama 3.2 and 4)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's thinking (<think>...</think>) from its answer into "
+                        "reasoning_content; structured outputs and tool calls then hold only the answer")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many queued requests, answer 503 with Retry-After")
     s.add_argument("--max-request-body-size", default=DEFAULT_MAX_BODY, help="largest request body (413 above)")

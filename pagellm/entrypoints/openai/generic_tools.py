@@ -22,6 +22,7 @@ from typing import Any
 
 from pagellm.entrypoints.openai.tool_calling import call_schema
 from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured_output.backend_guidance import JSON_OPTIONS
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 RESPONSE_START, RESPONSE_END = "<tool_response>", "</tool_response>"
@@ -40,32 +41,44 @@ def system_prompt(tools: list[dict[str, Any]]) -> str:
             "When no tool is needed, answer in plain text.")
 
 
-def conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                 as_parts: bool = False) -> list[dict[str, Any]]:
     """``messages`` (as chat templates read them) in the generic format, the tools' description in the
-    system prompt."""
+    system prompt; ``as_parts``: each content as OpenAI's list of text parts (a template that reads
+    them so), else as text."""
     prompt = system_prompt(tools)
     out: list[dict[str, Any]] = []
     if messages and messages[0]["role"] == "system":
-        out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}".lstrip()})
+        out.append({"role": "system", "content": f"{text_of(messages[0]['content'])}\n\n{prompt}".lstrip()})
         messages = messages[1:]
     else:
         out.append({"role": "system", "content": prompt})
     for m in messages:
         if m["role"] == "tool":
-            result = f"{RESPONSE_START}\n{m['content']}\n{RESPONSE_END}"
+            result = f"{RESPONSE_START}\n{text_of(m['content'])}\n{RESPONSE_END}"
             if out[-1].get("tool_result"):
                 out[-1]["content"] += "\n" + result
             else:
                 out.append({"role": "user", "content": result, "tool_result": True})
             continue
         entry = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
+        entry["content"] = text_of(m["content"])
         if m.get("tool_calls"):
             calls = "".join(f"{CALL_START}{json.dumps(_call(c))}{CALL_END}" for c in m["tool_calls"])
-            entry["content"] = f"{m['content']}\n{calls}" if m.get("content") else calls
+            entry["content"] = f"{entry['content']}\n{calls}" if entry["content"] else calls
         out.append(entry)
     for m in out:
         m.pop("tool_result", None)
+        if as_parts:
+            m["content"] = [{"type": "text", "text": m["content"]}]
     return out
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text (OpenAI's list of parts joined, as vLLM joins them)."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
 
 
 def _call(call: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +89,8 @@ def _call(call: dict[str, Any]) -> dict[str, Any]:
 
 def constraint(tools: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
     """The grammar of the generic format's answers: text, or calls of the given tools."""
-    schema = json.dumps(call_schema(tools, "arguments"))
+    # Laid out as json.dumps lays it out, as every JSON constraint is (no padding with whitespace).
+    schema = json.dumps({**call_schema(tools, "arguments"), "x-guidance": JSON_OPTIONS})
     call = f'"{CALL_START}" %json {schema} "{CALL_END}"'
     calls = 'call (/\\s*/ call)*' if parallel else "call"
     grammar = (f"start: text | calls\n"

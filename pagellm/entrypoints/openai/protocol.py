@@ -229,8 +229,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool | None = None  # False: at most one call
-    # Accepted and ignored: no reasoning is parsed out.
+    # With --reasoning-parser: false drops the thinking from the reply; the budget (vLLM's name, or
+    # max_reasoning_tokens) ends the thinking after that many tokens.
     include_reasoning: bool | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
     # Declared only to be refused by name (REFUSED).
     functions: Any | None = None
     function_call: Any | None = None
@@ -249,7 +252,6 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool | None = None
     chat_template: str | None = None
 
-    IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "include_reasoning")
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingFields.REFUSED,
         "functions": ([],), "function_call": ("none",), "audio": (),

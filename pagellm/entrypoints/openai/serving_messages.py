@@ -26,6 +26,7 @@ from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.serving import ChoiceState, Job
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.tool_calling import ToolCallStream, ToolMode
+from pagellm.entrypoints.openai.tool_parsers.detect import GENERIC
 from pagellm.outputs import CompletionOutput
 
 logger = logging.getLogger("pagellm.server")
@@ -107,7 +108,8 @@ class ServingMessages:
         self.chat = chat
 
     async def create(self, req: MessagesRequest, http: HTTPRequest) -> Any:
-        job, mode, _ = await self.chat.start_chat(to_chat_request(req), id_prefix="msg")
+        started = await self.chat.start_chat(to_chat_request(req), id_prefix="msg")
+        job, mode = started.job, started.mode
         message_id = "msg_" + uuid.uuid4().hex
         if req.stream:
             return StreamingResponse(self._events(job, mode, req, message_id), media_type="text/event-stream",
@@ -172,7 +174,8 @@ class ServingMessages:
         self.chat.check_model(chat.model)
         tools = ([t.model_dump(exclude_none=True) for t in chat.tools]
                  if chat.tools and chat.tool_choice != "none" else None)
-        ids = await self.chat.off_loop(self.chat.chat_prompt_ids, chat.messages, None, tools)
+        generic_tools = tools is not None and self.chat.tool_format() == GENERIC
+        ids = await self.chat.off_loop(self.chat.chat_prompt_ids, chat.messages, None, tools, generic_tools)
         return {"input_tokens": len(ids)}
 
 

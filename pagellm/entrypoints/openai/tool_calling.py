@@ -4,7 +4,9 @@ OpenAI's ``tool_calls`` deltas.
 ``required`` and a named function constrain decoding with a JSON schema built from the tools, so the
 arguments always parse and match the function's ``parameters``: ``required`` generates a JSON array of
 ``{"name": ..., "parameters": {...}}`` (as vLLM does), a named function its arguments object alone.
-``auto`` lets the model write freely and reads its calls with the ``--tool-call-parser``.
+``auto`` lets the model write freely and reads its calls with the ``--tool-call-parser`` (by default
+the format the chat template speaks; for a template without tools, pagellm's generic format, whose
+grammar holds the answer to text or calls: generic_tools.py).
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class ToolMode:
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
-              parser_factory: Callable[[], ToolParser] | None, auto_enabled: bool) -> ToolMode:
+              parser_factory: Callable[[], ToolParser]) -> ToolMode:
     """The request's ``ToolMode``; APIError 400 on a choice that does not fit its tools or the server."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -150,10 +152,6 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bo
         if tool_choice == "required":
             return ToolMode("required", constraint=StructuredOutputsParams(
                 json=required_schema(tools, parallel is not False)))
-        if not auto_enabled or parser_factory is None:
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                                "set on the server; or ask for tool_choice 'required' or a named function",
-                           param="tool_choice")
         return ToolMode("auto", parser=parser_factory())
     name = None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
