@@ -3,6 +3,7 @@ API's typed events, each with its ``sequence_number``::
 
     response.created, response.in_progress
     per output item: response.output_item.added
+        reasoning:  response.reasoning_text.delta..., response.reasoning_text.done
         a message:  response.content_part.added, response.output_text.delta..., response.output_text.done,
                     response.content_part.done
         a call:     response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -20,7 +21,12 @@ import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
-from pagellm.entrypoints.openai.responses_protocol import ResponseDraft, function_call_item, message_item
+from pagellm.entrypoints.openai.responses_protocol import (
+    ResponseDraft,
+    function_call_item,
+    message_item,
+    reasoning_item,
+)
 
 logger = logging.getLogger("pagellm.server")
 
@@ -75,7 +81,10 @@ class ResponseEvents:
         item["status"] = status
         index = self.output.index(item)
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
                                   content_index=0, text=part["text"], logprobs=part["logprobs"]))
@@ -98,6 +107,17 @@ class ResponseEvents:
         part["logprobs"] += logprobs
         out.append(self.event("response.output_text.delta", item_id=self.current["id"],
                               output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=logprobs))
+        return out
+
+    def _thinking(self, delta: str) -> list[str]:
+        out = []
+        if self.current is None or self.current["type"] != "reasoning":
+            out += self._close()
+            out += self._open(reasoning_item("", status="in_progress"))
+        assert self.current is not None
+        self.current["content"][0]["text"] += delta
+        out.append(self.event("response.reasoning_text.delta", item_id=self.current["id"],
+                              output_index=len(self.output) - 1, content_index=0, delta=delta))
         return out
 
     def _call(self, call: dict[str, Any]) -> list[str]:
@@ -130,6 +150,9 @@ class ResponseEvents:
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     logprobs = (choice.get("logprobs") or {}).get("content") or []
+                    if delta.get("reasoning_content"):
+                        for event in self._thinking(delta["reasoning_content"]):
+                            yield event
                     if delta.get("content") or logprobs:
                         for event in self._text(delta.get("content") or "", logprobs):
                             yield event

@@ -12,20 +12,14 @@ and a problem is a 400 naming the item (``input.3.call_id``).
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, note_ignored
-
-logger = logging.getLogger("pagellm.server")
-
-# Unknown top-level fields already warned about: once each, not once per request.
-_warned_unknown: set[str] = set()
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, StrictModel, note_ignored
 
 # The ``include`` value that asks for the output text's logprobs (the others name data of hosted tools
 # and of reasoning that this server never produces, so asking for them changes nothing).
@@ -37,11 +31,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-class ResponsesRequest(BaseModel):
-    """The body of ``POST /v1/responses``. Fields this server does not know are ignored with one
-    warning naming them, as vLLM does (the API grows fields faster than any server)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
+class ResponsesRequest(StrictModel):
+    """The body of ``POST /v1/responses``. Fields this server does not know are dropped with a warning
+    before it validates (``tolerance.relax``, as for chat), or refused under ``--strict-requests``."""
 
     model: str | None = None
     input: str | list[Any] | None = None  # items are checked as they are translated, naming the item
@@ -88,14 +80,10 @@ class ResponsesRequest(BaseModel):
     REFUSED: ClassVar[tuple[str, ...]] = ("conversation", "prompt", "context_management")
 
     @model_validator(mode="after")
-    def _note_extra_fields(self) -> ResponsesRequest:
+    def _note_ignored_fields(self) -> ResponsesRequest:
         for name in self.IGNORED:
             if name in self.model_fields_set:
                 note_ignored(name)
-        unknown = sorted(set(self.model_extra or {}) - _warned_unknown)
-        if unknown:
-            _warned_unknown.update(unknown)
-            logger.warning("/v1/responses: ignoring field(s) this server does not know: %s", ", ".join(unknown))
         return self
 
     def check(self) -> None:
@@ -110,9 +98,10 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise APIError(400, f"truncation {self.truncation!r} is not supported by this server; only "
                                 "'disabled' (an input over the context is a 400)", param="truncation")
-        if self.reasoning and any(self.reasoning.get(k) is not None for k in ("effort", "summary")):
-            raise APIError(400, "'reasoning' is not supported by this server (no reasoning parser): "
-                                "remove it", param="reasoning")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise APIError(400, f"reasoning.effort must be a string such as 'low', got {effort!r}",
+                           param="reasoning.effort")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(400, f"max_output_tokens must be an integer >= 1, got {self.max_output_tokens}",
                            param="max_output_tokens")
@@ -168,10 +157,18 @@ def _need_str(item: dict[str, Any], key: str, param: str) -> str:
 
 def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
     """Responses items as chat messages: consecutive ``function_call`` items (and an assistant message
-    just before them) make one assistant message with ``tool_calls``; reasoning items are dropped (a
-    chat template leaves earlier turns' reasoning out too)."""
+    just before them) make one assistant message with ``tool_calls``; a reasoning item's text is the
+    next assistant message's ``reasoning_content`` (which the templates that show earlier thinking read)."""
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the tool message that answers it
+    thinking: list[str] = []  # reasoning items' text, for the assistant message that follows them
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
+            thinking.clear()
+        return message
+
     for i, item in enumerate(items):
         at = f"{param}.{i}"
         if not isinstance(item, dict):
@@ -181,17 +178,18 @@ def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[dic
             role = item.get("role")
             if role not in _ROLES:
                 raise APIError(400, f"{at}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{at}.role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{at}.content", _MESSAGE_PARTS)})
+            message = {"role": role, "content": _text_of(item.get("content"), f"{at}.content", _MESSAGE_PARTS)}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             call_id, name = _need_str(item, "call_id", at), _need_str(item, "name", at)
             call = {"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": _need_str(item, "arguments", at)}}
             names[call_id] = name
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not thinking:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         elif kind == "function_call_output":
             call_id = _need_str(item, "call_id", at)
             message = {"role": "tool", "tool_call_id": call_id,
@@ -200,11 +198,22 @@ def chat_messages(items: list[dict[str, Any]], param: str = "input") -> list[dic
                 message["name"] = names[call_id]
             messages.append(message)
         elif kind == "reasoning":
-            continue
+            text = reasoning_text(item, at)
+            if text:
+                thinking.append(text)
         else:
             raise APIError(400, f"{at}: input item type {kind!r} is not supported; this server takes message, "
                                 "function_call, function_call_output and reasoning items", param=f"{at}.type")
     return messages
+
+
+def reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (encrypted content,
+    which only OpenAI can read, is left aside)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise APIError(400, f"{param}.content must be a list of reasoning_text parts", param=f"{param}.content")
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
 
 
 # ------------------------------------------------------------------ tools, tool_choice, text.format
@@ -292,6 +301,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], tools: li
         "stream_options": {"include_usage": True} if req.stream else None,
         "logprobs": req.wants_logprobs,
         "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),  # a chat template variable, as in vLLM
     }
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt",
                  "ignore_eos"):
@@ -349,7 +359,8 @@ class ResponseDraft:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "model": self.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "service_tier": "default", "store": req.store is not False,
             "temperature": req.temperature if req.temperature is not None else self.defaults.get("temperature", 1.0),
             "text": {"format": text_format}, "tool_choice": req.tool_choice or "auto", "tools": self.tools,
@@ -384,6 +395,11 @@ def message_item(text: str, logprobs: list[dict[str, Any]] | None = None, status
                  ) -> dict[str, Any]:
     return {"id": new_id("msg"), "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:

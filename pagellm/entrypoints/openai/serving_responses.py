@@ -29,18 +29,19 @@ from pagellm.entrypoints.openai.responses_protocol import (
     input_items,
     message_item,
     new_id,
+    reasoning_item,
 )
 from pagellm.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 
 def output_items(choice: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat choice's message as output items: its text (if any, or if there is nothing else), then
-    one ``function_call`` per tool call."""
+    """A chat choice's message as output items: its thinking (with a reasoning parser), its text (if
+    any, or if there is nothing else: a response has an item), then one ``function_call`` per call."""
     message = choice["message"]
     calls = message.get("tool_calls") or []
-    items = []
-    if message.get("content") or not calls:
+    items = [reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
+    if message.get("content") or not (calls or items):
         logprobs = (choice.get("logprobs") or {}).get("content")
         items.append(message_item(message.get("content") or "", logprobs))
     items += [function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]

@@ -96,3 +96,19 @@ def test_a_stream_that_fails_half_way_ends_failed_and_an_empty_one_has_a_message
     assert [e["type"] for e in events][2:] == [
         "response.output_item.added", "response.content_part.added", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.completed"]
+
+
+def test_thinking_then_an_answer():
+    events, _ = run([chunk({"reasoning_content": "Hmm, ", "reasoning": "Hmm, "}),
+                     chunk({"reasoning_content": "two.", "reasoning": "two."}), chunk({"content": "2"}),
+                     chunk({}, finish="stop"), chunk(usage=USAGE), "data: [DONE]\n\n"])
+    kinds = [e["type"] for e in events]
+    assert kinds[2:] == [
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    reasoning, message = events[-1]["response"]["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_") and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Hmm, two."}]
+    assert message["content"][0]["text"] == "2"

@@ -52,7 +52,7 @@ def test_items_become_chat_messages():
         {"role": "developer", "content": "Be brief."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
                                                        {"type": "input_text", "text": "in Oslo?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather", "arguments": "{}"},
@@ -63,6 +63,7 @@ def test_items_become_chat_messages():
     messages = chat_messages(items)
     assert [m["role"] for m in messages] == ["developer", "user", "assistant", "tool", "tool"]
     assert messages[1]["content"] == "Weather in Oslo?"
+    assert messages[2]["reasoning_content"] == "Look."
     assert messages[2]["content"] == "Let me look." and [c["id"] for c in messages[2]["tool_calls"]] == [
         "call_1", "call_2"]
     assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": "weather"}
