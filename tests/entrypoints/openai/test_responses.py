@@ -24,8 +24,8 @@ ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "
 
 @pytest.fixture(scope="module")
 def server(llama_path):
+    # No tool flags: tool_choice "auto" reads the format the template speaks (none here: the generic one).
     srv = RemoteServer(llama_path, ["--served-model-name", MODEL, "--max-model-len", "1024", "--num-kv-blocks", "256",
-                                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                     "--responses-store-max-responses", str(STORE_SIZE)], api_key=API_KEY)
     yield srv
     assert srv.stop() == 0
@@ -172,6 +172,30 @@ def test_a_streamed_function_call(client):
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == done.arguments
     assert isinstance(json.loads(done.arguments)["city"], str)
     assert events[-1].response.output[0].arguments == done.arguments
+
+
+def test_auto_tool_choice_answers_as_chat_does_plain_and_streamed(client):
+    """Whatever the model chooses under "auto" (text, or a call in the generic format), the response
+    carries what chat's answer to the same request does."""
+    question = "What is the weather in Paris?"
+    chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          tools=[chat_tool], max_tokens=40, temperature=0).choices[0].message
+    expected = [("function_call", c.function.name, c.function.arguments) for c in chat.tool_calls or []]
+    if chat.content or not expected:
+        expected.insert(0, ("message", chat.content or "", None))
+
+    def seen(output) -> list[tuple]:
+        return [(o.type, o.content[0].text, None) if o.type == "message" else (o.type, o.name, o.arguments)
+                for o in output]
+
+    r = client.responses.create(model=MODEL, input=question, tools=[WEATHER], max_output_tokens=40, temperature=0)
+    assert r.tool_choice == "auto" and seen(r.output) == expected
+    events = list(client.responses.create(model=MODEL, input=question, tools=[WEATHER], max_output_tokens=40,
+                                          temperature=0, stream=True))
+    assert seen(events[-1].response.output) == expected
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert seen(done) == expected
 
 
 def test_previous_response_id_continues_the_conversation(server, client):
