@@ -77,6 +77,8 @@ def test_a_stream_sends_the_typed_events_in_order(client):
     assert final.id == events[0].response.id and final.output_text == events[-4].text
     assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 6
     assert final.output[0].id == events[2].item.id
+    stored = client.responses.retrieve(final.id)  # a streamed response is stored too, once it ends
+    assert stored.status == "incomplete" and stored.output_text == final.output_text
 
 
 def test_logprobs_when_include_asks_for_them(client):
