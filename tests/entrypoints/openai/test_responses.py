@@ -174,6 +174,11 @@ def test_a_streamed_function_call(client):
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == done.arguments
     assert isinstance(json.loads(done.arguments)["city"], str)
     assert events[-1].response.output[0].arguments == done.arguments
+    with client.responses.stream(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], temperature=0,
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        final = stream.get_final_response()  # the client's own accumulation of the events
+    (call,) = final.output
+    assert call.type == "function_call" and call.arguments == done.arguments and call.call_id.startswith("call_")
 
 
 def test_auto_tool_choice_answers_as_chat_does_plain_and_streamed(client):
