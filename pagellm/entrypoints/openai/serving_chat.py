@@ -13,8 +13,10 @@ from fastapi.responses import JSONResponse
 
 from pagellm.engine.input_processor import ChatTemplateSyntaxError
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
+from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json, requested_prompt_logprobs
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
+from pagellm.entrypoints.openai.serving_beam_search import beam_search_chat
 from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.entrypoints.openai.tool_calling import ToolCallStream, ToolMode, message_tool_calls, tool_mode
 from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -64,9 +66,16 @@ class OpenAIServingChat(OpenAIServing):
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
         self._check_fields(req)
+        if req.use_beam_search:
+            async def prompt() -> list[tuple[str, list[int]]]:
+                return [await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt,
+                                            req.truncate_prompt_tokens, None)]
+
+            return await beam_search_chat(self, req, http, prompt, self.chat_response_role(req))
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs("top_logprobs", req.top_logprobs)
+        prompt_logprobs = requested_prompt_logprobs(self, req)
         # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -90,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = req.sampling_params(max_tokens=max_tokens, defaults=self.defaults,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                         structured_outputs=constraint, **extra)
+                                         structured_outputs=constraint, prompt_logprobs=prompt_logprobs, **extra)
         except ValueError as e:
             raise from_value_error(e) from e
         await self.compile_constraint(params, constraint_field)
@@ -123,7 +132,10 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
             })
-        return envelope.body(choices, usage=self._usage(job))
+        # vLLM's: the prompt's logprobs at the top level, when asked for.
+        extra_fields = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                        if prompt_logprobs is not None else {})
+        return envelope.body(choices, usage=self._usage(job), **extra_fields)
 
     def chat_response_role(self, req: ChatCompletionRequest) -> str:
         """The role of the reply, as vLLM: ``--response-role`` where the template adds a generation
