@@ -107,7 +107,7 @@ class SamplingFields(StrictModel):
     @model_validator(mode="after")
     def _note_ignored_fields(self) -> SamplingFields:
         for name in self.IGNORED:
-            if name in self.model_fields_set:
+            if name in self.model_fields_set and not (name == "length_penalty" and self.use_beam_search):
                 note_ignored(name)
         if self.stream_options is not None:
             for name in StreamOptions.IGNORED:

@@ -4,8 +4,10 @@ equal to what the offline ``LLM`` gives on the same tiny model."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -159,6 +161,19 @@ def test_beam_search_does_not_hold_up_other_requests(server):
         await aclient.close()
 
     asyncio.run(run())
+
+
+def test_a_client_that_leaves_aborts_its_beam_search(server):
+    """The search (about 4 s here) stops once its client is gone: no more tokens are generated."""
+    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 480, "n": 4, "use_beam_search": True,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    time.sleep(0.5)  # the server notices within a tenth of a second and aborts the step in flight
+    generated = server.metric("pagellm_generation_tokens_total")
+    time.sleep(1.0)
+    assert server.metric("pagellm_generation_tokens_total") == generated
+    assert server.metric("pagellm_num_requests_running") == 0 and server.metric("pagellm_kv_cache_usage_perc") == 0
 
 
 @pytest.mark.parametrize(("route", "body", "message", "param"), [
