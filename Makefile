@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-# The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LiteLLM).
+# The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LiteLLM, anthropic).
 $(VENV)/.peers-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,peers]"
 	touch $@

@@ -148,6 +148,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding: every sampled token keeps the output a prefix of a match.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thinking (structured_output/reasoning_gate.py): the tokens that end it (the
+    # constraint holds only what follows them), and how many tokens it may take before they are forced.
+    reasoning_end_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
     # Filled in by validation: the normalised forms the engine uses.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     # The stop strings' matching tables, built on first use and shared by the request's sequences
@@ -244,6 +248,15 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", so, "a StructuredOutputsParams or None")
+        end = self.reasoning_end_token_ids
+        if end is not None and (not isinstance(end, list) or not end or not all(_is_int(t) and t >= 0 for t in end)):
+            raise bad("reasoning_end_token_ids", end, "a non-empty list of token ids, or None")
+        budget = self.thinking_token_budget
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise bad("thinking_token_budget", budget, "an integer >= 0, or None")
+        if budget is not None and end is None:
+            raise bad("thinking_token_budget", budget, "None unless reasoning_end_token_ids says where thinking ends "
+                      "(the server sets it from --reasoning-parser)")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or not all(
                 _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):

@@ -51,7 +51,8 @@ class StepLog:
         decodes = [it for it in scheduler_output.scheduled if it.num_new_tokens == 1]
         context = sum(it.start + 1 for it in decodes)
         states = engine.model_runner.requests  # (the block tables as the runner ran them)
-        tables = [states[it.seq_id].block_table for it in decodes]
+        # The first KV cache group's tables (every layer's but for Gemma's sliding ones).
+        tables = [states[it.seq_id].block_tables[0] for it in decodes]
         # Shared blocks are whole blocks (only full blocks are cached and shared; a forked sequence
         # copies its last block before writing to it). Tables that share a block share their first
         # one too (cached prefixes chain from the first block, forks start as their parent): with

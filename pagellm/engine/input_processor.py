@@ -44,10 +44,14 @@ class InputProcessor:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template (given the ``tools`` the
-        model may call, in OpenAI's form, which templates that know tools render)."""
+        model may call, in OpenAI's form, which templates that know tools render). As in transformers:
+        ``continue_final_message`` leaves the last message open for the model to go on, ``documents``
+        are for templates that render them, ``template_kwargs`` are the template's own variables
+        (``enable_thinking``)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -56,7 +60,8 @@ class InputProcessor:
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=True,
-                **({"tools": tools} if tools else {}),
+                continue_final_message=continue_final_message, **({"tools": tools} if tools else {}),
+                **({"documents": documents} if documents else {}), **(template_kwargs or {}),
             )
         except jinja2.TemplateSyntaxError as e:  # the template's fault, not the messages'
             raise ChatTemplateSyntaxError(f"the chat template is not valid Jinja (line {e.lineno}): {e.message}") from e

@@ -229,11 +229,13 @@ class LLMEngine:
     # ------------------------------------------------------------- requests
     def apply_chat_template(
         self, messages: list[dict[str, Any]], chat_template: str | None = None, add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, **options: Any,
     ) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template (with ``tools``, OpenAI's
-        function definitions, where the template renders them)."""
-        return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt, tools)
+        function definitions, where the template renders them); ``options``: ``continue_final_message``,
+        ``documents``, ``template_kwargs`` (``InputProcessor.apply_chat_template``)."""
+        return self.input_processor.apply_chat_template(messages, chat_template, add_generation_prompt, tools,
+                                                        **options)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) for any accepted prompt form; ValueError for anything else."""

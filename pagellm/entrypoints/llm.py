@@ -127,15 +127,24 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template
-        (given ``tools``, OpenAI's function definitions, where the template renders them). Each output's
-        ``prompt`` is the rendered conversation, as in vLLM."""
+        (given ``tools``, OpenAI's function definitions, where the template renders them). As in vLLM,
+        ``continue_final_message`` leaves the last message open for the reply to continue, and
+        ``chat_template_kwargs`` are the template's own variables (``{"enable_thinking": False}``). Each
+        output's ``prompt`` is the rendered conversation, as in vLLM."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
+                             "add_generation_prompt=False to continue the last message")
         conversations = cast("list[list[Message]]",
                              [messages] if messages and isinstance(messages[0], dict) else messages)
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt, tools)
+            ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt, tools,
+                                                      continue_final_message=continue_final_message,
+                                                      template_kwargs=chat_template_kwargs)
             text = self.llm_engine.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -3,7 +3,8 @@ sequence's grammar state (by sequence id, until the sequence finishes), and fill
 bitmask while the model runs.
 
 Requests without ``structured_outputs`` never reach the grammar engine: a step with no constrained
-sequence costs one scan of its sequences' parameters.
+sequence costs one scan of its sequences' parameters. A reasoning model's constraint holds only what
+follows its thinking, and a thinking budget forces the thinking's end (``reasoning_gate.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
 from pagellm.structured_output.compiler import ConstraintCompiler, Refused
+from pagellm.structured_output.reasoning_gate import ReasoningGate, gated
 from pagellm.structured_output.wrap_up import (
     LOOKAHEAD,
     RECHECK,
@@ -52,6 +54,12 @@ class ConstrainedSeq(Protocol):
     def num_tokens(self) -> int: ...
 
 
+def needs_mask(params: SamplingParams) -> bool:
+    """Whether a request's tokens are ever masked: a constraint, or a thinking budget."""
+    return params.structured_outputs is not None or (
+        params.thinking_token_budget is not None and bool(params.reasoning_end_token_ids))
+
+
 def tokenizer_size(tokenizer: Any) -> int:
     """How many ids ``tokenizer`` has, added tokens included (0 where it cannot say)."""
     try:
@@ -81,6 +89,7 @@ class StructuredOutputManager:
         # Each constrained sequence's grammar state by its id, kept through preemptions (the wrap-up's
         # decision with it), dropped when the sequence finishes (``forget``).
         self._grammars: dict[int, GuidanceGrammar] = {}
+        self._reasoning = ReasoningGate()
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # cache misses (tests and logs)
 
@@ -147,13 +156,15 @@ class StructuredOutputManager:
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """Drop the grammar states of finished sequences (called between masks, never during one)."""
+        seq_ids = list(seq_ids)
         for seq_id in seq_ids:
             self._grammars.pop(seq_id, None)
+        self._reasoning.forget(seq_ids)
 
     def start_mask(self, seqs: Seq[ConstrainedSeq]) -> Future[GrammarMask] | None:
         """Begin filling the bitmask of this step's sampled sequences on a worker thread (the model's
         forward pass runs meanwhile); None when none of them is constrained."""
-        if not any(s.params.structured_outputs is not None for s in seqs):
+        if not any(needs_mask(s.params) for s in seqs):
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
@@ -163,15 +174,23 @@ class StructuredOutputManager:
         """The bitmask of the constrained ones among ``seqs`` (their row index in ``seqs``), each
         grammar first brought up to its sequence's output tokens; ``errors``: those whose grammar
         dead-ended (each may only end now)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
+        rows = [i for i, s in enumerate(seqs) if needs_mask(s.params)]
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         errors: dict[int, str] = {}
         live: list[tuple[GuidanceGrammar, int]] = []
         for k, i in enumerate(rows):
             seq = seqs[i]
+            start = self._reasoning.end_of(seq) if gated(seq.params) else 0
+            if start is None:  # still thinking: free, unless its budget is spent
+                forced = self._reasoning.forced_token(seq)
+                if forced is not None:
+                    set_only(bitmask[k], [forced])
+                continue
+            if seq.params.structured_outputs is None:
+                continue  # a budget only, and the thinking is over
             try:
                 grammar = self.grammar_for(seq)
-                grammar.advance(seq.output_token_ids)
+                grammar.advance(seq.output_token_ids[start:] if start else seq.output_token_ids)
             except Exception:  # never fail the batch over one sequence's grammar
                 logger.exception("grammar of seq %d failed: it may only end now", seq.seq_id)
                 grammar = None
@@ -181,7 +200,7 @@ class StructuredOutputManager:
             else:
                 live.append((grammar, k))
                 if grammar.wrap_up_from is None and self.should_wrap_up(seq, grammar):
-                    grammar.wrap_up_from = seq.num_output_tokens
+                    grammar.wrap_up_from = grammar.num_tokens
         self.backend.fill_bitmask(live, bitmask)
         for grammar, k in live:
             if grammar.failed:  # found while computing the mask: no token extends the output

@@ -97,6 +97,17 @@ def test_chat_uses_the_chat_template(llm):
     assert_all_blocks_free(llm)
 
 
+def test_chat_continues_the_final_message_and_takes_template_kwargs(llm):
+    start = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Once upon"}]
+    (out,) = llm.chat(start, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt.endswith("Once upon")  # left open for the reply
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(start, GREEDY, use_tqdm=False, continue_final_message=True)
+    shout = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if loud %}!{% endif %}"
+    (loud,) = llm.chat(start, GREEDY, use_tqdm=False, chat_template=shout, chat_template_kwargs={"loud": True})
+    assert loud.prompt.endswith("Once upon!")
+
+
 def test_progress_bar_is_shown_with_tqdm(llm, capsys):
     llm.generate(["a", "b", "c"], GREEDY, use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err

@@ -223,20 +223,6 @@ def test_history_with_tool_calls_and_tool_messages(client):
     assert r.choices[0].message.tool_calls
 
 
-def test_auto_tool_choice_needs_the_flags(llama_path):
-    srv = RemoteServer(llama_path, ["--served-model-name", MODEL, "--max-model-len", "256", "--num-kv-blocks", "64"])
-    try:
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
-                       json={"model": MODEL, "messages": USER, "tools": [WEATHER], "max_tokens": 3})
-        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
-        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
-                       json={"model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": "required",
-                             "max_tokens": 200, "temperature": 1.0, "seed": 1})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"]
-    finally:
-        assert srv.stop() == 0
-
-
 def test_openai_parse_helpers(client):
     from typing import Literal
 

@@ -19,6 +19,10 @@ CASES = {
                     '{"name": "lookup", "parameters": {}}', ""),
     "mistral": (f'Sure [TOOL_CALLS] [{{"name": "get_weather", "arguments": {ARGS}}}, '
                 '{"name": "lookup", "arguments": {}}]', "Sure "),
+    "qwen3_coder": ('Let me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                    f'<parameter=when>\n{json.dumps(json.loads(ARGS)["when"])}\n</parameter>\n</function>\n'
+                    '</tool_call>\n<tool_call>\n<function=lookup>\n</function>\n</tool_call>', "Let me check."),
+    "pythonic": ('[get_weather(city="Paris", when={"day": 2, "note": "a } in \\" text"}), lookup()]', ""),
 }
 
 

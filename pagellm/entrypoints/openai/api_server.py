@@ -18,10 +18,9 @@ import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
-import jinja2
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -38,6 +37,13 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.phases import log_ready
 from pagellm.engine.stats_logger import StatsLogger
+from pagellm.entrypoints.openai.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_body,
+    is_anthropic_path,
+)
+from pagellm.entrypoints.openai.chat_prompt import load_chat_template, template_options
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response, from_validation_error
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
 from pagellm.entrypoints.openai.protocol import (
@@ -51,6 +57,8 @@ from pagellm.entrypoints.openai.serving import RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
+from pagellm.entrypoints.openai.serving_messages import add_messages_routes
+from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
@@ -69,6 +77,9 @@ class BodyReadTimeout(Exception):
 class GuardMiddleware:
     """API key check (constant-time) on every route but /health, a request-body size limit, and a
     deadline for the body (a client trickling it in holds a connection, not the server).
+
+    The key comes as ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``;
+    on the Messages routes the errors take Anthropic's shape.
 
     Under ``browser_paths`` (the dashboard) the key may also come as the password of HTTP Basic
     credentials, which a browser asks its user for and then sends with every request of the page.
@@ -95,8 +106,10 @@ class GuardMiddleware:
             return b""
         return decoded.partition(b":")[2]  # any user name: the password is the key
 
-    def _authorized(self, auth: bytes, browser: bool = False) -> bool:
-        if auth[:7].lower() == b"bearer ":
+    def _authorized(self, auth: bytes, browser: bool = False, x_api_key: bytes = b"") -> bool:
+        if x_api_key and not auth:
+            token = x_api_key.strip()
+        elif auth[:7].lower() == b"bearer ":
             token = auth[7:].strip()
         elif browser and auth[:6].lower() == b"basic ":
             token = self._basic_password(auth)
@@ -114,18 +127,19 @@ class GuardMiddleware:
         path = get_route_path(scope)  # without --root-path
         if self.api_keys and path != "/health":
             auth = headers.get(b"authorization", b"")
+            x_api_key = headers.get(b"x-api-key", b"")
             browser = self._in_browser_path(path)
-            if not self._authorized(auth, browser):
-                message = ("missing API key: send 'Authorization: Bearer <key>'" if not auth
-                           else "invalid API key")
+            if not self._authorized(auth, browser, x_api_key):
+                message = ("missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
+                           if not auth and not x_api_key else "invalid API key")
                 # A browser shows its password prompt on a Basic challenge (the key as the password).
                 challenge = 'Basic realm="pagellm", charset="UTF-8"' if browser else "Bearer"
-                await JSONResponse(error_body(401, message), status_code=401,
+                await JSONResponse(self._error_body(path, 401, message), status_code=401,
                                    headers={"WWW-Authenticate": challenge})(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, path)
             return
         seen = 0
         deadline = time.monotonic() + self.body_read_timeout
@@ -148,13 +162,20 @@ class GuardMiddleware:
 
         await self.app(scope, limited_receive, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(413, f"the request body is larger than the limit of {plural(self.max_body_bytes, 'byte')}; "
-                               "send less, or start the server with a larger --max-request-body-size")
+    @staticmethod
+    def _error_body(path: str, status: int, message: str) -> dict[str, Any]:
+        return anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(status, message)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        body = self._error_body(path, 413, f"the request body is larger than the limit of "
+                                           f"{plural(self.max_body_bytes, 'byte')}; send less, or start the server "
+                                           "with a larger --max-request-body-size")
         await JSONResponse(body, status_code=413)(scope, receive, send)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], strict: bool = False) -> M:
+    """The body as ``model``, read as vLLM reads it (``tolerance.relax``: null is unset, unknown fields
+    dropped with a warning); ``strict`` (``--strict-requests``): unknown fields are a 400."""
     try:
         raw = await request.body()
     except BodyTooLarge:
@@ -171,9 +192,16 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if not text.strip():
         raise APIError(400, "the body is empty: send a JSON object")
     try:
-        return model.model_validate_json(text)
+        data = pydantic_core.from_json(text)
+    except ValueError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}; send a JSON object") from e
+    dropped = relax(model, data, strict)
+    try:
+        parsed = model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
+    log_dropped(get_route_path(request.scope), dropped)  # once the body is valid: one warning per request
+    return parsed
 
 
 # The OpenAPI document. Handlers parse their bodies themselves (``parse_body``: OpenAI-shaped errors),
@@ -238,22 +266,30 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               enable_dashboard: bool = True, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, response_role: str = "assistant",
               request_logging: RequestLogging | None = None, root_path: str = "",
-              enable_docs: bool = False) -> FastAPI:
+              enable_docs: bool = False, strict_requests: bool = False,
+              chat_template_content_format: str = "auto", metrics_prefix: str = "both",
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
     (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
-    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN)."""
+    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``strict_requests``:
+    a 400 for fields no model declares, rather than a warning (``--strict-requests``);
+    ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto;
+    ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both); ``reasoning_parser``: how a
+    reasoning model's thinking is told from its answer (``--reasoning-parser``)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
-    metrics = EngineMetrics(engine, model_name)
+    metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
     async_engine.step_callbacks.append(metrics.on_step)
     if not engine.args.disable_log_stats:
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
     serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases),
                             tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                            response_role=response_role, request_logging=request_logging)
+                            response_role=response_role, request_logging=request_logging,
+                            chat_template_content_format=chat_template_content_format,
+                            reasoning_parser=reasoning_parser)
     dashboard = Dashboard(async_engine, model_name) if enable_dashboard else None
     if dashboard is not None:
         async_engine.step_callbacks.append(dashboard.on_step)
@@ -338,20 +374,22 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=STREAMS)
     async def completions(request: Request) -> Any:
-        return await serving.completions(await parse_body(request, CompletionRequest), request)
+        return await serving.completions(await parse_body(request, CompletionRequest, strict_requests), request)
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest), responses=STREAMS)
     async def chat(request: Request) -> Any:
-        return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
+        return await serving.chat(await parse_body(request, ChatCompletionRequest, strict_requests), request)
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest, strict_requests)
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = await serving.off_loop(serving.chat_prompt_ids, body.messages, body.add_generation_prompt)
+            options = template_options(body.add_generation_prompt, body.continue_final_message, body.documents,
+                                       body.chat_template_kwargs, body.messages)
+            ids = await serving.off_loop(serving.chat_prompt_ids, body.messages, options)
         else:
             ids = await serving.off_loop(lambda: engine.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens))
@@ -359,16 +397,18 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, strict_requests)
         serving.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {engine.vocab_size}); got {bad[:5]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    add_messages_routes(app, serving, parse_body, json_body, STREAMS)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
-    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest))
+    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                           MessagesRequest, CountTokensRequest))
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
@@ -382,29 +422,6 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
 
 # ----------------------------------------------------------------------- CLI
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's contents, or the template itself (vLLM's rule: text with a Jinja
-    block or variable is a template; anything else must be a file)."""
-    if value is None:
-        return None
-    if "{%" in value or "{{" in value:
-        template = value
-    else:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template "
-                             "(one with {{ ... }} or {% ... %})")
-        template = path.read_text()
-    # Compiled the way transformers renders it (its sandbox and extensions: break/continue, generation).
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    try:
-        _compile_jinja_template(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template does not parse as Jinja (line {e.lineno}): {e.message}") from e
-    return template
-
-
 def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     """Serve on ``sock`` (bound by ``cli_args.bind_socket`` before anything heavy was imported), with the
     flags ``cli_args`` parsed and checked (``args.api_key`` resolved: the flag's keys or the environment's)."""
@@ -443,7 +460,10 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
-                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs)
+                    root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
+                    strict_requests=args.strict_requests,
+                    chat_template_content_format=args.chat_template_content_format,
+                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

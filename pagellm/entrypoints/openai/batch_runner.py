@@ -25,9 +25,11 @@ from tqdm.auto import tqdm
 from pagellm.config import EngineArgs
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.openai.api_server import OpenAIServing, load_chat_template
+from pagellm.entrypoints.openai.api_server import OpenAIServing
+from pagellm.entrypoints.openai.chat_prompt import load_chat_template
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_validation_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.batch")
@@ -101,18 +103,20 @@ def check_request(line: dict[str, Any]) -> tuple[type[BaseModel], str, dict[str,
     return model, handler, body
 
 
-async def answer(serving: OpenAIServing, text: str) -> dict[str, Any]:
-    """The output line of one input line."""
+async def answer(serving: OpenAIServing, text: str, strict: bool = False) -> dict[str, Any]:
+    """The output line of one input line; ``strict`` (``--strict-requests``): unknown body fields are a 400."""
     custom_id = None
     try:
         line = parse_line(text)
         custom_id = line["custom_id"] if isinstance(line.get("custom_id"), str) else None
         model, handler, body = check_request(line)
+        # As the server reads a body (api_server.parse_body): relaxed as vLLM's are, then validated.
+        dropped = relax(model, body, strict)
         try:
-            # From the JSON text, as the server parses a body: the same strictness and errors.
-            request = model.model_validate_json(json.dumps(body))
+            request = model.model_validate(body)
         except ValidationError as e:
             raise from_validation_error(e) from e
+        log_dropped(line["url"], dropped)
         response = await getattr(serving, handler)(request, cast(HTTPRequest, NoClient()))
         if not isinstance(response, dict):
             raise APIError(500, f"internal error: the handler answered {type(response).__name__}, not a JSON body")
@@ -130,7 +134,7 @@ def count_requests(source: Path) -> int:
 
 
 async def run_batch(serving: OpenAIServing, source: Path, out: TextIO, concurrency: int,
-                    progress: bool = True) -> BatchCounts:
+                    progress: bool = True, strict: bool = False) -> BatchCounts:
     """Answer every line of ``source`` (up to ``concurrency`` at once), writing each result to ``out``
     as it finishes, with a progress bar."""
     counts = BatchCounts()
@@ -141,7 +145,7 @@ async def run_batch(serving: OpenAIServing, source: Path, out: TextIO, concurren
 
     async def one(text: str) -> None:
         try:
-            result = await answer(serving, text)
+            result = await answer(serving, text, strict)
         finally:
             slots.release()
         out.write(json.dumps(result, ensure_ascii=False) + "\n")
@@ -183,11 +187,14 @@ def run_batch_command(args: argparse.Namespace) -> int:
         async_engine = AsyncLLMEngine(engine)
         warm_up = engine.structured_output.warm_up()
         serving = OpenAIServing(async_engine, names[0], chat_template, aliases=tuple(names[1:]),
-                                response_role=args.response_role)
+                                tool_call_parser=args.tool_call_parser, response_role=args.response_role,
+                                chat_template_content_format=args.chat_template_content_format,
+                                reasoning_parser=args.reasoning_parser)
         async_engine.start()
         try:
             with open(args.output_file, "w", encoding="utf-8") as out:
-                return await run_batch(serving, Path(args.input_file), out, concurrency)
+                return await run_batch(serving, Path(args.input_file), out, concurrency,
+                                       strict=args.strict_requests)
         finally:
             # A short batch can end before the grammar engine's warm-up on the compile thread does: the
             # process must not exit under it (native code running while the interpreter shuts down).

@@ -17,7 +17,11 @@ logger = logging.getLogger("pagellm.server")
 
 DEFAULT_MAX_BODY = "1MiB"
 # --tool-call-parser's choices (tool_parsers.TOOL_PARSERS, named here so that --help imports nothing).
-TOOL_CALL_PARSERS = ("hermes", "qwen", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("auto", "generic", "hermes", "qwen", "qwen3_coder", "llama3_json", "mistral", "pythonic")
+# --reasoning-parser's choices (reasoning_parsers.REASONING_PARSERS).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "think")
+# --metrics-prefix's choices (engine/metric_families.METRICS_PREFIXES; named here for the same reason).
+METRICS_PREFIXES = ("vllm", "pagellm", "both")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -56,11 +60,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")
+    s.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="how the chat template reads a message's content: string (text parts joined by newlines), "
+                        "openai (a list of {'type': 'text', 'text': ...} parts), or auto: openai where the template "
+                        "loops over a message's content, else string (as vLLM)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let tool_choice 'auto' (the default when tools are given) read tool calls from the output "
-                        "with --tool-call-parser; 'required' and named functions need neither flag")
-    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                   help="the model's tool-call format: hermes (and qwen: <tool_call> JSON), llama3_json, mistral")
+                   help="accepted as vLLM's; tool_choice 'auto' (the default when tools are given) works without it")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format: auto (the one its chat template speaks; generic where the "
+                        "template renders no tools: the tools go into the system prompt and a grammar holds the "
+                        "answer to text or <tool_call> JSON calls), hermes (and qwen: <tool_call> JSON), "
+                        "qwen3_coder (XML), llama3_json, mistral, pythonic (Llama 3.2 and 4)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's thinking (<think>...</think>) from its answer into "
+                        "reasoning_content; structured outputs and tool calls then hold only the answer")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="beyond this many queued requests, answer 503 with Retry-After")
     s.add_argument("--max-request-body-size", default=DEFAULT_MAX_BODY, help="largest request body (413 above)")
@@ -81,6 +94,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
                    help="uvicorn's own log level")
+    s.add_argument("--metrics-prefix", default="both", choices=METRICS_PREFIXES,
+                   help="the names GET /metrics exposes: vLLM's (vllm:num_requests_running, ..., with its labels "
+                        "model_name and engine and its buckets, for vLLM's Grafana dashboard, KEDA scalers and "
+                        "the Gateway API inference extension), pagellm's own (pagellm_...), or both")
     s.add_argument("--disable-dashboard", action="store_true",
                    help="do not serve the live KV cache dashboard (GET /dashboard) nor its state "
                         "(GET /v1/kv_cache/state)")
@@ -100,6 +117,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="no access log line per HTTP request (uvicorn logs them at info: --uvicorn-log-level info)")
     s.add_argument("--response-role", default="assistant",
                    help="the role of chat responses' messages (with add_generation_prompt false: the last message's)")
+    s.add_argument("--strict-requests", action="store_true",
+                   help="answer 400 to a request with a field no OpenAI or vLLM body defines (default: such fields "
+                        "are ignored, with one warning per request naming them, as vLLM does)")
     s.add_argument("--root-path", default=None,
                    help="the path prefix a proxy serves this server under, e.g. /llm (FastAPI's root_path: requests "
                         "come with or without it; the OpenAPI schema names it) (default: none)")

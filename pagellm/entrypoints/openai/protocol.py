@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
-Bodies are strict: a wrong type or an unknown field is a 400 that names it. Fields that OpenAI or
-vLLM define fall in three groups: implemented; accepted and ignored, as they do not change what is
-generated (``IGNORED``); declared only to be refused by name, as they would change the output and
-are not implemented (``REFUSED``), unless given the value that changes nothing.
+Bodies are strict: a wrong type is a 400 that names it. ``tolerance.relax`` reads a body first as vLLM
+does (null is unset, ``4.0`` is 4, unknown fields are dropped with a warning, or kept for the models
+to refuse under ``--strict-requests``). Fields that OpenAI or vLLM define fall in three groups:
+implemented; accepted and ignored, as they do not change what is generated (``IGNORED``); declared
+only to be refused by name, as they would change the output and are not implemented (``REFUSED``),
+unless given the value that changes nothing.
 """
 
 from __future__ import annotations
@@ -189,13 +191,21 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     # Content parts other than text (images, audio) are refused by the handler with a clear message.
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the older tool
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     # An assistant's calls ({"id", "type": "function", "function": {"name", "arguments"}}), and the
     # call a tool message answers.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # What the API returns on an assistant message, so that a history replayed from a client's
+    # objects (the openai SDK's message.model_dump()) carries it.
+    refusal: str | None = None  # ignored: the content says what the model said
+    annotations: list[Any] | None = None  # ignored: citations of the answer
+    audio: dict[str, Any] | None = None  # an earlier audio answer: refused unless null
+    function_call: dict[str, Any] | None = None  # the deprecated single call: read as tool_calls
+    reasoning_content: str | None = None  # earlier thinking, for the templates that show it
+    reasoning: str | None = None  # vLLM's newer name of reasoning_content
 
 
 class FunctionDefinition(StrictModel):
@@ -220,8 +230,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool | None = None  # False: at most one call
-    # Accepted and ignored: no reasoning is parsed out.
+    # With --reasoning-parser: false drops the thinking from the reply; the budget (vLLM's name, or
+    # max_reasoning_tokens) ends the thinking after that many tokens.
     include_reasoning: bool | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
     # Declared only to be refused by name (REFUSED).
     functions: Any | None = None
     function_call: Any | None = None
@@ -229,23 +242,22 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Any | None = None
     prediction: Any | None = None
     web_search_options: Any | None = None
-    reasoning_effort: Any | None = None
     verbosity: Any | None = None
-    # vLLM's chat extensions that change the prompt.
+    # vLLM's chat extensions that change the prompt: the template's arguments (chat_prompt.py).
+    continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt false)
+    documents: list[dict[str, Any]] | None = None  # for templates that render retrieved documents
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables (enable_thinking)
+    reasoning_effort: str | None = None  # as vLLM: a variable of the template (gpt-oss's reads it)
+    # Declared only to be refused by name (REFUSED).
     echo: bool | None = None
     add_special_tokens: bool | None = None
-    continue_final_message: bool | None = None
-    documents: list[Any] | None = None
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
-    IGNORED: ClassVar[tuple[str, ...]] = (*SamplingFields.IGNORED, "include_reasoning")
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingFields.REFUSED,
         "functions": ([],), "function_call": ("none",), "audio": (),
-        "modalities": (["text"],), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-        "echo": (False,), "add_special_tokens": (False,), "continue_final_message": (False,), "documents": ([],),
-        "chat_template": (), "chat_template_kwargs": ({},),
+        "modalities": (["text"],), "prediction": (), "web_search_options": (), "verbosity": (),
+        "echo": (False,), "add_special_tokens": (False,), "chat_template": (),
     }
 
 
@@ -255,6 +267,9 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(StrictModel):

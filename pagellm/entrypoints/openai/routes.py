@@ -18,8 +18,6 @@ _DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
 VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
     "/v1/embeddings": _EMBEDDINGS,
     "/v1/responses": "the Responses API (OpenAI's)",
-    "/v1/messages": "the Messages API (Anthropic's)",
-    "/v1/messages/count_tokens": "the Messages API (Anthropic's)",
     "/rerank": _RERANK,
     "/v1/rerank": _RERANK,
     "/v2/rerank": _RERANK,

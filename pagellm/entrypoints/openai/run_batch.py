@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from pagellm.config import EngineArgs
+from pagellm.entrypoints.openai.cli_args import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 HELP = "run a file of OpenAI batch requests (JSON lines) offline, as the server would answer them"
 DESCRIPTION = (
@@ -31,6 +32,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")
+    s.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                   help="how the chat template reads a message's content, as serve's flag")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format, as serve's flag")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's thinking from its answer, as serve's flag")
+    s.add_argument("--strict-requests", action="store_true",
+                   help="a request with a field no OpenAI or vLLM body defines fails (default: such fields are "
+                        "ignored, with a warning, as serve does)")
     s.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="the most requests of the file in the engine at once (default: twice --max-num-seqs)")
     p.set_defaults(func=_run)

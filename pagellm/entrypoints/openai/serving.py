@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -98,15 +98,20 @@ class OpenAIServing:
     """The state and helpers both handlers use (``OpenAIServingCompletion``, ``OpenAIServingChat``)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-                 aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
+                 aliases: tuple[str, ...] = (), tool_call_parser: str | None = "auto",
                  enable_auto_tool_choice: bool = False, response_role: str = "assistant",
-                 request_logging: RequestLogging | None = None) -> None:
+                 request_logging: RequestLogging | None = None, chat_template_content_format: str = "auto",
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.response_role = response_role  # --response-role
         self.request_logging = request_logging
-        # --tool-call-parser and --enable-auto-tool-choice: how "auto" tool choice reads the output.
-        self.tool_call_parser = tool_call_parser
+        # --tool-call-parser: how tool calls are read (auto: the format the chat template speaks, decided
+        # on first use). --enable-auto-tool-choice is accepted as vLLM's and changes nothing: "auto"
+        # tool choice always works.
+        self.tool_call_parser = tool_call_parser or "auto"
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # --reasoning-parser: which part of a reasoning model's output is its thinking (None: none is).
+        self.reasoning_parser = reasoning_parser
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name  # the name responses report
@@ -115,6 +120,10 @@ class OpenAIServing:
         self.defaults = self.llm.default_sampling_fields
         self.max_model_len = self.llm.max_model_len
         self.chat_template = chat_template  # None: the tokenizer's own
+        # --chat-template-content-format: message content as a string or as OpenAI's list of parts
+        # (None: auto, decided from the template on first use).
+        self._content_format: Literal["string", "openai"] | None = (
+            None if chat_template_content_format == "auto" else chat_template_content_format)  # type: ignore[assignment]
         # Tokenizing (and chat templates) off the event loop, so that a long prompt does not stall
         # every other client's stream; one thread, so requests' tokenizations never overlap.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")

@@ -3,79 +3,161 @@ chat.completion JSON or chat.completion.chunk SSE events."""
 
 from __future__ import annotations
 
-import contextlib
-import json
+import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from pagellm.engine.input_processor import ChatTemplateSyntaxError
+from pagellm.entrypoints.openai import generic_tools as generic
+from pagellm.entrypoints.openai.chat_choice import ChatChoiceReader
+from pagellm.entrypoints.openai.chat_prompt import (
+    ContentFormat,
+    TemplateOptions,
+    conversation,
+    detect_content_format,
+    template_options,
+)
+from pagellm.entrypoints.openai.content_tokens import TokenStarts, content_token_count
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
 from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json, requested_prompt_logprobs
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.entrypoints.openai.reasoning_parsers import END as REASONING_END
+from pagellm.entrypoints.openai.reasoning_parsers import PromptThinking, ReasoningParser, get_reasoning_parser
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
 from pagellm.entrypoints.openai.serving_beam_search import beam_search_chat
 from pagellm.entrypoints.openai.structured import request_constraint
-from pagellm.entrypoints.openai.tool_calling import ToolCallStream, ToolMode, message_tool_calls, tool_mode
+from pagellm.entrypoints.openai.tool_calling import ToolMode, tool_mode
 from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
-from pagellm.outputs import Logprob
+from pagellm.entrypoints.openai.tool_parsers.detect import GENERIC, parser_for_template
+from pagellm.outputs import CompletionOutput, Logprob
+
+logger = logging.getLogger("pagellm.server")
+
+
+@dataclass
+class ChatStart:
+    """A chat request on its way: its engine job, how its output becomes the API's message, and the
+    reply's role."""
+
+    job: Job
+    mode: ToolMode
+    role: str
+    reasoning: ReasoningParser | None = None
+    prompt_thinking: PromptThinking = PromptThinking.NONE
+    include_reasoning: bool = True
+
+    def reader(self) -> ChatChoiceReader:
+        """A reader of one choice's output."""
+        return ChatChoiceReader(self.mode, self.reasoning, self.prompt_thinking, self.include_reasoning)
 
 
 class OpenAIServingChat(OpenAIServing):
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-        conversation = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") != "text":
-                        raise APIError(400, f"messages[{i}].content: content part type {part.get('type')!r} is not "
-                                            "supported; only text parts are", param=f"messages.{i}.content")
-                    if not isinstance(part.get("text"), str):
-                        raise APIError(400, f"messages[{i}].content: a text part needs a 'text' string, as in "
-                                            "{'type': 'text', 'text': 'Hello'}", param=f"messages.{i}.content")
-                    texts.append(part["text"])
-                content = "".join(texts)
-            role = "system" if m.role == "developer" else m.role
-            entry: dict[str, Any] = {"role": role, "content": content or ""}
-            if m.tool_calls:
-                entry["tool_calls"] = history_tool_calls(m.tool_calls, i)
-            if m.tool_call_id is not None:
-                entry["tool_call_id"] = m.tool_call_id
-            if m.name is not None and role == "tool":
-                entry["name"] = m.name
-            conversation.append(entry)
+    def chat_prompt_ids(self, messages: list[ChatMessage], options: TemplateOptions | None = None,
+                        tools: list[dict[str, Any]] | None = None, generic_tools: bool = False) -> list[int]:
+        """The prompt's token ids; ``generic_tools``: the tools go into the system prompt in pagellm's
+        generic format (the template renders none), not to the template."""
+        conv = conversation(messages, self.content_format())
+        if generic_tools and tools:
+            conv = generic.conversation(conv, tools, as_parts=self.content_format() == "openai")
+            tools = None
+        options = options or TemplateOptions()
         try:
-            return self.llm.apply_chat_template(conversation, self.chat_template, add_generation_prompt, tools)
+            return self.llm.apply_chat_template(conv, self.chat_template, options.add_generation_prompt, tools,
+                                                continue_final_message=options.continue_final_message,
+                                                documents=options.documents, template_kwargs=options.kwargs)
         except ChatTemplateSyntaxError as e:  # the server's template is broken: not the client's doing
             raise APIError(500, str(e)) from e
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     truncate: int | None = None, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        ids = self.chat_prompt_ids(messages, add_generation_prompt, tools)
+    def content_format(self) -> ContentFormat:
+        """``--chat-template-content-format``; ``auto`` is decided once, from the template."""
+        if self._content_format is None:
+            template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+            self._content_format = detect_content_format(template)
+            logger.info("the chat template reads message content as %s (--chat-template-content-format auto; "
+                        "give string or openai to choose)",
+                        "a list of parts" if self._content_format == "openai" else "a string")
+        return self._content_format
+
+    def tool_format(self) -> str:
+        """``--tool-call-parser``; ``auto`` is decided once, from the template (tool_parsers/detect.py)."""
+        if self.tool_call_parser == "auto":
+            template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+            self.tool_call_parser = parser_for_template(template)
+            logger.info("tool calls are read as %s (--tool-call-parser auto%s)", self.tool_call_parser,
+                        ": the chat template renders no tools, so they go into the system prompt"
+                        if self.tool_call_parser == GENERIC else "")
+        return self.tool_call_parser
+
+    def _chat_prompt(self, messages: list[ChatMessage], options: TemplateOptions, truncate: int | None = None,
+                     tools: list[dict[str, Any]] | None = None, generic_tools: bool = False) -> tuple[str, list[int]]:
+        ids = self.chat_prompt_ids(messages, options, tools, generic_tools)
         if truncate is not None:  # vLLM's truncate_prompt_tokens: the last that many tokens
             ids = ids[-truncate:]
         return self.tokenizer.decode(ids), ids
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        if req.use_beam_search:
+            return await self._chat_beam_search(req, http)
+        start = await self.start_chat(req)
+        job, role = start.job, start.role
+        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
+        if req.stream:
+            envelope.object = "chat.completion.chunk"
+            return self._sse(self._chat_chunks(start, req, envelope))
+        finals = await self._collect(job, http)
+        if finals is None:
+            return JSONResponse({}, status_code=499)
+        (out,) = finals
+        choices = []
+        for c in out.outputs:
+            message, called = start.reader().message(c.text, role)
+            finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": self._final_logprobs(job, c, req.top_logprobs or 0) if req.logprobs else None,
+                "finish_reason": finish,
+                "stop_reason": c.stop_reason,
+            })
+        # vLLM's: the prompt's logprobs at the top level, when asked for.
+        extra_fields = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                        if req.prompt_logprobs is not None else {})
+        return envelope.body(choices, usage=self._usage(job), **extra_fields)
+
+    async def _chat_beam_search(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        """``use_beam_search`` (serving_beam_search.py) on the messages through the chat template."""
         self.check_model(req.model)
         self._check_fields(req)
-        if req.use_beam_search:
-            async def prompt() -> list[tuple[str, list[int]]]:
-                return [await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt,
-                                            req.truncate_prompt_tokens, None)]
+        options, role = self._template_options(req)
 
-            return await beam_search_chat(self, req, http, prompt, self.chat_response_role(req))
+        async def prompt() -> list[tuple[str, list[int]]]:
+            return [await self.off_loop(self._chat_prompt, req.messages, options, req.truncate_prompt_tokens)]
+
+        return await beam_search_chat(self, req, http, prompt, role)
+
+    def _template_options(self, req: ChatCompletionRequest) -> tuple[TemplateOptions, str]:
+        """The chat template's arguments, and the reply's role: as vLLM, --response-role where the
+        template adds a generation prompt, else the role of the last message (which the reply continues)."""
+        options = template_options(req.add_generation_prompt, req.continue_final_message, req.documents,
+                                   req.chat_template_kwargs, req.messages, req.reasoning_effort)
+        return options, self.response_role if options.add_generation_prompt else req.messages[-1].role
+
+    async def start_chat(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatStart:
+        """The request checked, its messages through the chat template, its engine request queued (also
+        the Anthropic Messages route's path)."""
+        self.check_model(req.model)
+        self._check_fields(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs("top_logprobs", req.top_logprobs)
         prompt_logprobs = requested_prompt_logprobs(self, req)
+        options, role = self._template_options(req)
         # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -83,19 +165,23 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", param=limit_name)
         constraint, constraint_field = request_constraint(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        parser = self.tool_call_parser
-        mode = tool_mode(tools, req.tool_choice, req.parallel_tool_calls,
-                         (lambda: get_tool_parser(parser)) if parser else None, self.enable_auto_tool_choice)
+        parser = self.tool_format()
+        mode = tool_mode(tools, req.tool_choice, req.parallel_tool_calls, lambda: get_tool_parser(parser, tools))
+        generic_tools = parser == GENERIC and mode.kind != "none"
+        if generic_tools and mode.kind == "auto" and constraint is None and tools:
+            # The answer is text or calls in the generic format (with another constraint, that one holds).
+            mode.constraint = generic.constraint(tools, req.parallel_tool_calls is not False)
         if mode.constraint is not None:
             if constraint is not None:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the output itself: drop "
                                     f"{constraint_field}", param=constraint_field)
             constraint, constraint_field = mode.constraint, "tools"
-        text, ids = await self.off_loop(self._chat_prompt, req.messages, req.add_generation_prompt,
-                                        req.truncate_prompt_tokens, tools if mode.kind != "none" else None)
+        text, ids = await self.off_loop(self._chat_prompt, req.messages, options, req.truncate_prompt_tokens,
+                                        tools if mode.kind != "none" else None, generic_tools)
         if max_tokens is None:  # the room left, or less where generation_config.json says so
             max_tokens = max(1, min(self.max_model_len - len(ids), self.defaults.get("max_tokens", self.max_model_len)))
         extra: dict[str, Any] = {"skip_special_tokens": False} if mode.keeps_special_tokens else {}
+        reasoning, thinking = self.reasoning_of(req, text, extra)
         try:
             params = req.sampling_params(max_tokens=max_tokens, defaults=self.defaults,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -104,43 +190,34 @@ class OpenAIServingChat(OpenAIServing):
             raise from_value_error(e) from e
         await self.compile_constraint(params, constraint_field)
         self._check_length(len(ids), max_tokens, what="messages", max_tokens_name=limit_name)
-        job = self._start([(text, ids)], params, req, "chatcmpl")
-        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
-        if req.stream:
-            envelope.object = "chat.completion.chunk"
-            return self._sse(self._chat_chunks(job, req, envelope, mode))
-        finals = await self._collect(job, http)
-        if finals is None:
-            return JSONResponse({}, status_code=499)
-        (out,) = finals
-        choices = []
-        role = self.chat_response_role(req)
-        for c in out.outputs:
-            message: dict[str, Any] = {"role": role, "content": c.text}
-            finish = c.finish_reason
-            if mode.kind != "none":
-                parsed = mode.parse(c.text, final=True)
-                if parsed.tools_called:
-                    message = {"role": role, "content": parsed.content or None,
-                               "tool_calls": message_tool_calls(parsed)}
-                    finish = "tool_calls" if finish == "stop" else finish
-            choices.append({
-                "index": c.index,
-                "message": message,
-                "logprobs": ({"content": self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)}
-                             if req.logprobs else None),
-                "finish_reason": finish,
-                "stop_reason": c.stop_reason,
-            })
-        # vLLM's: the prompt's logprobs at the top level, when asked for.
-        extra_fields = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
-                        if prompt_logprobs is not None else {})
-        return envelope.body(choices, usage=self._usage(job), **extra_fields)
+        return ChatStart(self._start([(text, ids)], params, req, id_prefix), mode, role, reasoning, thinking,
+                         req.include_reasoning is not False)
 
-    def chat_response_role(self, req: ChatCompletionRequest) -> str:
-        """The role of the reply, as vLLM: ``--response-role`` where the template adds a generation
-        prompt, else the role of the last message (which the reply continues)."""
-        return self.response_role if req.add_generation_prompt else req.messages[-1].role
+    def reasoning_of(self, req: ChatCompletionRequest, prompt: str,
+                     extra: dict[str, Any]) -> tuple[ReasoningParser | None, PromptThinking]:
+        """The request's reasoning parser and what its prompt did to the thinking; adds to ``extra`` the
+        sampling fields that end the thinking (its marker, the budget)."""
+        budget = req.thinking_token_budget if req.thinking_token_budget is not None else req.max_reasoning_tokens
+        name = "thinking_token_budget" if req.thinking_token_budget is not None else "max_reasoning_tokens"
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise APIError(400, f"{name} needs a server started with --reasoning-parser (qwen3, deepseek_r1 or "
+                                    "think)", param=name)
+            return None, PromptThinking.NONE
+        parser = get_reasoning_parser(self.reasoning_parser)
+        thinking = PromptThinking.of(prompt)
+        if thinking is not PromptThinking.CLOSED:
+            extra["reasoning_end_token_ids"] = self.tokenizer.encode(REASONING_END, add_special_tokens=False)
+            if budget is not None:
+                extra["thinking_token_budget"] = budget
+        return parser, thinking
+
+    def _final_logprobs(self, job: Job, c: CompletionOutput, top_n: int) -> dict[str, Any]:
+        """A finished choice's ``logprobs``: its content's tokens (content_tokens.py)."""
+        starts = (TokenStarts(self.tokenizer, job.prompt_ids[0], job.params.skip_special_tokens)
+                  if isinstance(c.stop_reason, str) else None)
+        k = content_token_count(c, job.params, len(c.text), starts)
+        return {"content": self._chat_logprobs(c.token_ids[:k], (c.logprobs or [])[:k], top_n)}
 
     @staticmethod
     def _chat_logprobs(token_ids: list[int], entries: list | None, top_n: int) -> list[dict[str, Any]]:
@@ -157,11 +234,16 @@ class OpenAIServingChat(OpenAIServing):
             content.append(chosen)
         return content
 
-    async def _chat_chunks(self, job: Job, req: ChatCompletionRequest, envelope: Envelope,
-                           mode: ToolMode | None = None) -> AsyncIterator[str]:
+    async def _chat_chunks(self, start: ChatStart, req: ChatCompletionRequest,
+                           envelope: Envelope) -> AsyncIterator[str]:
+        job, role = start.job, start.role
         states: dict[int, ChoiceState] = {}
-        # Per choice: the tool calls sent so far, where the output may hold some.
-        calls: dict[int, ToolCallStream] = {}
+        # Per choice, where the output may hold thinking or tool calls: what of them was sent.
+        readers: dict[int, ChatChoiceReader] = {}
+        read = start.mode.kind != "none" or start.reasoning is not None
+        # Per choice, with stop strings: where its tokens' text starts (the logprobs sent are those of
+        # the text sent).
+        starts: dict[int, TokenStarts] = {}
         usage_field: dict[str, Any] = {"usage": None} if req.include_usage else {}
         top_n = req.top_logprobs or 0
 
@@ -169,7 +251,6 @@ class OpenAIServingChat(OpenAIServing):
             usage = self._chunk_usage(job, 0, completion_tokens) if req.continuous_usage else usage_field
             return envelope.chunk([choice], **usage)
 
-        role = self.chat_response_role(req)
         for i in range(job.params.n):  # the role comes first, for every choice
             states[i] = ChoiceState(started=True)
             yield chunk({"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
@@ -181,23 +262,29 @@ class OpenAIServingChat(OpenAIServing):
                     continue
                 visible = self._visible_text(c, job.params, st)
                 logprobs = None
-                if mode is not None and mode.kind != "none":
-                    stream = calls.setdefault(c.index, ToolCallStream(mode))
+                if read:
+                    reader = readers.setdefault(c.index, start.reader())
                     finished = c.finish_reason is not None
-                    for d in stream.deltas(visible, finished):
+                    for d in reader.deltas(visible, finished):
                         yield chunk({"index": c.index, "delta": d, "logprobs": None, "finish_reason": None},
                                     len(c.token_ids))
                     if finished:
                         st.finished = True
-                        reason = "tool_calls" if stream.called and c.finish_reason == "stop" else c.finish_reason
+                        reason = "tool_calls" if reader.called and c.finish_reason == "stop" else c.finish_reason
                         yield chunk({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
                                      "stop_reason": c.stop_reason}, len(c.token_ids))
                     continue
                 delta = visible[st.text_sent:]
-                if req.logprobs and len(c.token_ids) > st.tokens_sent:
-                    logprobs = {"content": self._chat_logprobs(
-                        c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:], top_n)}
-                    st.tokens_sent = len(c.token_ids)
+                if req.logprobs:
+                    spans = None
+                    if job.params.stop_strings:
+                        spans = starts.setdefault(c.index, TokenStarts(self.tokenizer, job.prompt_ids[0],
+                                                                       job.params.skip_special_tokens))
+                    k = content_token_count(c, job.params, len(visible), spans)
+                    if k > st.tokens_sent:
+                        logprobs = {"content": self._chat_logprobs(
+                            c.token_ids[st.tokens_sent:k], (c.logprobs or [])[st.tokens_sent:k], top_n)}
+                        st.tokens_sent = k
                 if delta or logprobs:
                     st.text_sent += len(delta)
                     yield chunk({"index": c.index, "delta": {"content": delta}, "logprobs": logprobs,
@@ -210,20 +297,3 @@ class OpenAIServingChat(OpenAIServing):
             yield envelope.chunk([], usage=self._usage(job))
         yield "data: [DONE]\n\n"
 
-
-def history_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` as chat templates read them: arguments as an object (they
-    render it with ``tojson``), not the JSON text the API carries."""
-    out = []
-    for k, call in enumerate(calls):
-        fn = call.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(400, f"messages[{index}].tool_calls[{k}] needs a function with a name, as in "
-                                "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': '{}'}}",
-                           param=f"messages.{index}.tool_calls")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            with contextlib.suppress(json.JSONDecodeError):  # else a template gets the text as it came
-                args = json.loads(args) if args.strip() else {}
-        out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
-    return out

@@ -4,7 +4,9 @@ OpenAI's ``tool_calls`` deltas.
 ``required`` and a named function constrain decoding with a JSON schema built from the tools, so the
 arguments always parse and match the function's ``parameters``: ``required`` generates a JSON array of
 ``{"name": ..., "parameters": {...}}`` (as vLLM does), a named function its arguments object alone.
-``auto`` lets the model write freely and reads its calls with the ``--tool-call-parser``.
+``auto`` lets the model write freely and reads its calls with the ``--tool-call-parser`` (by default
+the format the chat template speaks; for a template without tools, pagellm's generic format, whose
+grammar holds the answer to text or calls: generic_tools.py).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
-def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool.
+def call_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    """One call of one of ``tools``: ``{"name": ..., arguments_key: {...}}``, its arguments matching the
+    tool's ``parameters``.
 
     A tool's ``parameters`` that refer to their own definitions (``$ref: "#/$defs/Loc"``, as pydantic
     writes them) would resolve against the combined schema's root: such a tool's whole schema moves
@@ -78,10 +81,20 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
             params = {"$ref": f"#/$defs/{key}"}
         items.append({"type": "object",
                       "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                     "parameters": params},
-                      "required": ["name", "parameters"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                                     arguments_key: params},
+                      "required": ["name", arguments_key], "additionalProperties": False})
+    schema: dict[str, Any] = items[0] if len(items) == 1 else {"anyOf": items}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return schema
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of one or more calls (one at most without ``parallel``), each of a given tool, as
+    ``{"name": ..., "parameters": {...}}`` (as vLLM does)."""
+    call = call_schema(tools, "parameters")
+    defs = call.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
     if defs:
         schema["$defs"] = defs
     if not parallel:
@@ -123,7 +136,7 @@ class ToolMode:
 
 
 def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
-              parser_factory: Callable[[], ToolParser] | None, auto_enabled: bool) -> ToolMode:
+              parser_factory: Callable[[], ToolParser]) -> ToolMode:
     """The request's ``ToolMode``; APIError 400 on a choice that does not fit its tools or the server."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -139,10 +152,6 @@ def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bo
         if tool_choice == "required":
             return ToolMode("required", constraint=StructuredOutputsParams(
                 json=required_schema(tools, parallel is not False)))
-        if not auto_enabled or parser_factory is None:
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                                "set on the server; or ask for tool_choice 'required' or a named function",
-                           param="tool_choice")
         return ToolMode("auto", parser=parser_factory())
     name = None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \

@@ -30,7 +30,7 @@ def server(llama_path, tmp_path_factory):
     config = tmp_path_factory.mktemp("config") / "serve.yaml"
     # Both spellings of a key; a flag the command line gives again (--max-log-len) is the command line's.
     config.write_text(f"served-model-name: {NAME}\nresponse_role: {ROLE}\nmax-logprobs: 3\n"
-                      "enable-log-requests: true\nmax-log-len: 1000\nport: 1\n")
+                      "enable-log-requests: true\nmax-log-len: 1000\nport: 1\nmetrics-prefix: vllm\n")
     srv = RemoteServer(llama_path, [
         "--config", str(config), "--max-log-len", "5", "--root-path", ROOT,
         "--hf-overrides", '{"max_position_embeddings": 200}',
@@ -53,6 +53,14 @@ def test_the_config_file_sets_flags_and_the_command_line_wins(server):
     models = client(server).models.list().data
     assert [m.id for m in models] == [NAME]  # served-model-name from the file
     assert f":{server.port}" in server.url  # the file's port: 1 lost to the command line's --port
+
+
+def test_metrics_prefix_vllm_serves_vllms_names_alone(server):
+    client(server).completions.create(model=NAME, prompt="Hi", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    assert f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{NAME}"}} 1.0' in text
+    assert "vllm:num_requests_waiting{" in text and "vllm:e2e_request_latency_seconds_bucket{" in text
+    assert "pagellm_" not in text
 
 
 def test_hf_overrides_change_the_models_config(server):
@@ -149,10 +157,10 @@ def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
     assert e.value.body["type"] == "not_found_error"
-    for path, api in [("/v1/responses", "Responses API"), ("/v1/messages", "Messages API (Anthropic's)"),
-                      ("/v1/rerank", "rerank API"), ("/score", "score API"), ("/pooling", "pooling API"),
-                      ("/classify", "classification API"), ("/v1/audio/transcriptions", "audio APIs"),
-                      ("/v1/load_lora_adapter", "LoRA"), (ROOT + "/v1/embeddings", "embeddings API")]:
+    for path, api in [("/v1/responses", "Responses API"), ("/v1/rerank", "rerank API"), ("/score", "score API"),
+                      ("/pooling", "pooling API"), ("/classify", "classification API"),
+                      ("/v1/audio/transcriptions", "audio APIs"), ("/v1/load_lora_adapter", "LoRA"),
+                      (ROOT + "/v1/embeddings", "embeddings API")]:
         r = httpx.post(server.url + path, json={})
         assert r.status_code == 404 and api in r.json()["error"]["message"], (path, r.text)
 
@@ -164,8 +172,8 @@ def test_an_unknown_route_lists_the_routes_served(server):
     assert set(err) == {"message", "type", "param", "code"}
     message = err["message"]
     assert message.startswith("no such route: GET /v1/nothing. This server's routes: ")
-    for route in ("GET /v1/models", "POST /v1/completions", "POST /tokenize", "POST /detokenize", "GET /health",
-                  "GET /metrics", "GET /dashboard", "GET /v1/kv_cache/state"):
+    for route in ("GET /v1/models", "POST /v1/completions", "POST /v1/messages", "POST /tokenize",
+                  "POST /detokenize", "GET /health", "GET /metrics", "GET /dashboard", "GET /v1/kv_cache/state"):
         assert route in message, route
     near = httpx.post(server.url + "/v1/completion", json={}).json()["error"]["message"]
     assert "did you mean /v1/completions?" in near

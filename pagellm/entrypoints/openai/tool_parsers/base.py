@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 WHITESPACE = " \t\n\r"
 
@@ -41,6 +42,10 @@ class ToolParser:
     name = "base"
     # Whether the format's markers are special tokens, which detokenizing must then keep.
     keeps_special_tokens = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # The request's tools (OpenAI's shape), for formats whose values are typed by the schema.
+        self.tools = tools or []
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
         raise NotImplementedError
