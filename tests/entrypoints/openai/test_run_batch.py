@@ -34,6 +34,8 @@ REQUESTS = [
     line("plp", "/v1/completions", {"prompt": "Hello world", "max_tokens": 1, "prompt_logprobs": 2}),
     line("beam", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "n": 2,
                                      "use_beam_search": True}),
+    # As the server: a field no OpenAI or vLLM body defines is ignored, with a warning.
+    line("unknown-field", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "frobnicate": 1}),
     # Each of these fails alone, with the server's error.
     line("embed", "/v1/embeddings", {"input": "x"}),
     line("bad-field", "/v1/completions", {"prompt": "Hi", "top_p": 5}),
@@ -86,11 +88,12 @@ def test_every_request_gets_one_result_and_a_progress_bar(results):
         assert set(x["response"]) == {"status_code", "request_id", "body"}
     assert "Running batch" in stderr and f"{len(lines)}/{len(lines)}" in stderr
     assert f"{len(lines) - len(ERRORS) - 2} succeeded, {len(ERRORS) + 2} failed" in stderr
+    assert "fields this server does not know, ignored: 'frobnicate'" in stderr
 
 
 def test_successful_results_equal_the_offline_llm(results, offline):
     got = by_id(results[0])
-    for name in ("plain", "chat", "plp", "beam"):
+    for name in ("plain", "chat", "plp", "beam", "unknown-field"):
         assert got[name]["error"] is None and got[name]["response"]["status_code"] == 200
         assert got[name]["response"]["request_id"] == got[name]["response"]["body"]["id"]
     plain = got["plain"]["response"]["body"]
@@ -157,3 +160,13 @@ def test_a_missing_input_file_fails_before_the_model_loads(tmp_path):
                           str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "out.jsonl")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--input-file" in run.stderr and "is not a file" in run.stderr
+
+
+def test_strict_requests_refuses_unknown_fields_as_serve_does(llama_path, tmp_path):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(line("x", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "frobnicate": 1})))
+    run = subprocess.run(command(llama_path, source, target, "--strict-requests"), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    (result,) = [json.loads(x) for x in target.read_text().splitlines()]
+    assert result["response"]["status_code"] == 400 and result["error"]["param"] == "frobnicate"
