@@ -150,6 +150,9 @@ async def beam_search_chat(serving: OpenAIServing, req: ChatCompletionRequest, h
     """``/v1/chat/completions`` with ``use_beam_search``: chat.completion JSON, the ``n`` best beams;
     ``tokenize``: the chat handler's rendering of the messages (one prompt), ``role``: the replies' role."""
     check_fields(req, CHAT_UNSUPPORTED)
+    if serving.reasoning_parser is not None:  # the beams' text would mix the thinking into content
+        raise APIError(400, f"use_beam_search is not supported on a server started with --reasoning-parser "
+                            f"{serving.reasoning_parser}", param="use_beam_search")
     limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None and max_tokens < 1:
