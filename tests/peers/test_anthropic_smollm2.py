@@ -1,5 +1,5 @@
-"""The `anthropic` SDK on the embedded SmolLM2-135M-Instruct (served with the hermes tool parser): an
-answer, a stream, a forced tool call whose input validates, and `tool_choice` auto."""
+"""The `anthropic` SDK on the embedded SmolLM2-135M-Instruct (served with no tool flags): an answer, a
+stream, a forced tool call whose input validates, and `tool_choice` auto."""
 
 from __future__ import annotations
 

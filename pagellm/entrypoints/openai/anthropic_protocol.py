@@ -56,7 +56,7 @@ class CountTokensRequest(_Body):
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
-    # Refused by name: no reasoning parser here.
+    # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}: the server's --reasoning-parser.
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
 
@@ -86,8 +86,6 @@ class MessagesRequest(CountTokensRequest):
 
 
 REFUSED = {
-    "thinking": "extended thinking ('thinking') is not supported by this server: it has no reasoning parser; "
-                "remove it",
     "mcp_servers": "'mcp_servers' is not supported by this server (it calls no MCP server); remove it",
     "container": "'container' is not supported by this server (it runs no code); remove it",
     "context_management": "'context_management' is not supported by this server; remove it",
@@ -223,6 +221,24 @@ def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat fields of Anthropic's ``thinking``: enabled, the thinking is shown (as thinking blocks)
+    and ``budget_tokens`` bounds it; disabled, the template is asked not to think (Qwen3's
+    ``enable_thinking``); not given, a reasoning model's thinking is left out of the answer."""
+    if thinking is None:
+        return {"include_reasoning": False}
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return {"include_reasoning": False, "chat_template_kwargs": {"enable_thinking": False}}
+    if kind != "enabled":
+        raise APIError(400, f"thinking.type must be 'enabled' or 'disabled', got {kind!r}", param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+        raise APIError(400, f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+                       param="thinking.budget_tokens")
+    return {"include_reasoning": True, **({"thinking_token_budget": budget} if budget is not None else {})}
+
+
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request that generates ``req``'s answer."""
     check_refused(req)
@@ -238,6 +254,7 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     response_format = _response_format(req.output_config)
     if response_format is not None:
         body["response_format"] = response_format
+    body.update(_thinking(req.thinking))
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream)
         for name in ("temperature", "top_p", "top_k"):

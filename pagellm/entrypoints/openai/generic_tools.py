@@ -29,16 +29,19 @@ RESPONSE_START, RESPONSE_END = "<tool_response>", "</tool_response>"
 
 
 def system_prompt(tools: list[dict[str, Any]]) -> str:
-    """What the model is told of the tools and how to call them."""
+    """What the model is told of the tools and how to call them (an example call of the first tool:
+    small models follow an example better than a description)."""
     described = "\n".join(json.dumps({k: v for k, v in t["function"].items() if k in ("name", "description",
                                                                                     "parameters")})
                           for t in tools)
-    return ("You can call these tools, described in JSON:\n"
+    first = tools[0]["function"]
+    params = (first.get("parameters") or {}).get("properties") or {}
+    example = json.dumps({"name": first["name"], "arguments": {k: "..." for k in list(params)[:2]}})
+    return ("You have access to these tools:\n"
             f"{described}\n\n"
-            f"To call a tool, answer with only {CALL_START}"
-            '{"name": "<the tool\'s name>", "arguments": {<its arguments>}}'
-            f"{CALL_END}. The tool's result comes back to you between {RESPONSE_START} and {RESPONSE_END}. "
-            "When no tool is needed, answer in plain text.")
+            "When the user's request needs a tool, do not answer yourself: reply with only the call, "
+            f"for example {CALL_START}{example}{CALL_END}, and the tool's result comes back to you between "
+            f"{RESPONSE_START} and {RESPONSE_END}. Otherwise, answer the user in plain text.")
 
 
 def conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]],

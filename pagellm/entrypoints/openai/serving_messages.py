@@ -23,9 +23,8 @@ from pagellm.entrypoints.openai.anthropic_protocol import (
     to_chat_request,
 )
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.serving import ChoiceState, Job
-from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagellm.entrypoints.openai.tool_calling import ToolCallStream, ToolMode
+from pagellm.entrypoints.openai.serving import ChoiceState
+from pagellm.entrypoints.openai.serving_chat import ChatStart, OpenAIServingChat
 from pagellm.entrypoints.openai.tool_parsers.detect import GENERIC
 from pagellm.outputs import CompletionOutput
 
@@ -68,7 +67,7 @@ class BlockStream:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         events = self.close()
@@ -84,6 +83,11 @@ class BlockStream:
 
     def convert(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(event({"type": "content_block_delta", "index": self.index,
+                                 "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}}))
         if "content" in delta:
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -109,38 +113,41 @@ class ServingMessages:
 
     async def create(self, req: MessagesRequest, http: HTTPRequest) -> Any:
         started = await self.chat.start_chat(to_chat_request(req), id_prefix="msg")
-        job, mode = started.job, started.mode
+        job = started.job
         message_id = "msg_" + uuid.uuid4().hex
         if req.stream:
-            return StreamingResponse(self._events(job, mode, req, message_id), media_type="text/event-stream",
+            return StreamingResponse(self._events(started, req, message_id), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         finals = await self.chat._collect(job, http)
         if finals is None:
             return JSONResponse({}, status_code=499)
         c = finals[0].outputs[0]
-        parsed = mode.parse(c.text, final=True)
+        message, called = started.reader().message(c.text, "assistant")
         content: list[dict[str, Any]] = []
-        if parsed.tools_called:
-            if parsed.content:
-                content.append({"type": "text", "text": parsed.content})
-            content += [{"type": "tool_use", "id": tool_use_id(), "name": call.name,
-                         "input": tool_input(call.arguments)} for call in parsed.calls]
+        if message.get("reasoning_content"):
+            content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+        if called:
+            if message["content"]:
+                content.append({"type": "text", "text": message["content"]})
+            content += [{"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+                         "input": tool_input(call["function"]["arguments"])} for call in message["tool_calls"]]
         else:
-            content.append({"type": "text", "text": c.text})
-        reason, sequence = stop_reason(c, parsed.tools_called, req.stop_sequences)
+            content.append({"type": "text", "text": message["content"]})
+        reason, sequence = stop_reason(c, called, req.stop_sequences)
         return {"id": message_id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": len(job.prompt_ids[0]), "output_tokens": len(c.token_ids)}}
 
-    async def _events(self, job: Job, mode: ToolMode, req: MessagesRequest, message_id: str) -> AsyncIterator[str]:
+    async def _events(self, started: ChatStart, req: MessagesRequest, message_id: str) -> AsyncIterator[str]:
         """Anthropic's event sequence: message_start, per block content_block_start / _delta / _stop,
         message_delta (stop reason, output tokens), message_stop; a failure ends it with an error event."""
+        job = started.job
         try:
             yield event({"type": "message_start", "message": {
                 "id": message_id, "type": "message", "role": "assistant", "model": self.chat.model_name,
                 "content": [], "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": len(job.prompt_ids[0]), "output_tokens": 0}}})
-            blocks, calls, state = BlockStream(), ToolCallStream(mode), ChoiceState()
+            blocks, calls, state = BlockStream(), started.reader(), ChoiceState()
             final: CompletionOutput | None = None
             async for _, out in self.chat._merged(job):
                 c = out.outputs[0]

@@ -66,8 +66,8 @@ class RemoteServer:
         return self.proc.returncode
 
 
-# The embedded SmolLM2-135M-Instruct served with tool calls on (the structured-output tests of the
-# real model, with the openai client and with LangChain).
+# The embedded SmolLM2-135M-Instruct served as a user starts it, with no tool flags (its template
+# renders no tools: the generic format), for the structured-output and tool tests of the real model.
 SMOLLM2_NAME = "smollm2"
 needs_smollm2 = pytest.mark.skipif(embedded_gguf_path() is None,
                                    reason=f"the embedded model wheel is missing: {DEFAULT_MODEL_INSTALL}")
@@ -77,7 +77,6 @@ def smollm2_tool_server() -> Iterator[RemoteServer]:
     """A module fixture's body: the server, stopped cleanly after the module."""
     path = embedded_gguf_path()
     assert path is not None
-    srv = RemoteServer(path, ["--served-model-name", SMOLLM2_NAME, "--max-model-len", "2048",
-                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    srv = RemoteServer(path, ["--served-model-name", SMOLLM2_NAME, "--max-model-len", "2048"])
     yield srv
     assert srv.stop() == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -24,11 +25,16 @@ BUDGET = {"thinking_token_budget": 6}
 
 
 @pytest.fixture(scope="module")
-def client(llama_path):
+def server(llama_path):
     srv = RemoteServer(llama_path, ["--served-model-name", MODEL, "--max-model-len", "512", "--num-kv-blocks", "128",
                                     "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE])
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    yield srv
     assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 
 def test_the_budget_ends_the_thinking_and_the_schema_holds_the_answer(client):
@@ -80,3 +86,23 @@ def test_a_budget_without_a_reasoning_parser_is_refused(llama_path):
             c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=BUDGET)
     finally:
         assert srv.stop() == 0
+
+
+def test_anthropic_thinking_becomes_thinking_blocks(server, client):
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0, extra_body=BUDGET)
+    body = {"model": MODEL, "max_tokens": 20, "temperature": 0, "messages": ASK,
+            "thinking": {"type": "enabled", "budget_tokens": BUDGET["thinking_token_budget"]}}
+    m = httpx.post(server.url + "/v1/messages", json=body, timeout=60).json()
+    assert [b["type"] for b in m["content"]] == ["thinking", "text"]
+    assert m["content"][0]["thinking"] == chat.choices[0].message.model_extra["reasoning_content"]
+    assert m["content"][1]["text"] == chat.choices[0].message.content
+    # Streamed: a thinking block of thinking_delta events, then the text block.
+    with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    thinking = "".join(e["delta"]["thinking"] for e in events
+                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta")
+    assert starts == ["thinking", "text"] and thinking == m["content"][0]["thinking"]
+    # Without `thinking`, the answer carries no thinking block (the model still thinks, within no budget).
+    plain = httpx.post(server.url + "/v1/messages", json={**body, "thinking": None}, timeout=60).json()
+    assert [b["type"] for b in plain["content"]] == ["text"]
