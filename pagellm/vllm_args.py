@@ -20,7 +20,7 @@ logger = logging.getLogger("pagellm.engine")
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)
-HUB_ONLY = "pagellm loads local paths only (downloads from a model hub are not built yet), which ignore it"
+HUB_ONLY = "the model is a local path, which ignores it (it applies to hub model ids)"
 NO_COMPILE = ("pagellm runs the model eagerly (no torch.compile, no CUDA graphs); its native CPU kernels are "
               "compiled once, on first use")
 
@@ -58,7 +58,7 @@ def _positive_or_none(args: Any, name: str) -> None:
 
 def check_vllm_engine_fields(args: Any) -> None:
     """Check the vLLM fields of ``args`` (an ``EngineArgs``); parse their JSON text into dicts."""
-    for name in ("revision", "download_dir"):
+    for name in ("revision", "download_dir", "tokenizer_revision", "hf_token", "gguf_file"):
         v = getattr(args, name)
         if v is not None and (not isinstance(v, str) or not v):
             raise ValueError(f"{_flag(name)} must be a non-empty string, got {v!r}")
@@ -104,8 +104,9 @@ def _compilation_config(value: Any) -> dict[str, Any] | int | None:
     return json_object("compilation_config", value)
 
 
-def ignored_engine_args(args: Any) -> dict[str, str]:
-    """The vLLM arguments given in ``args`` that change nothing here: ``--flag value`` -> why."""
+def ignored_engine_args(args: Any, from_hub: bool = False) -> dict[str, str]:
+    """The vLLM arguments given in ``args`` that change nothing here: ``--flag value`` -> why
+    (``from_hub``: the model is a hub id, which the hub's flags apply to)."""
     out: dict[str, str] = {}
 
     def note(name: str, why: str) -> None:
@@ -113,9 +114,10 @@ def ignored_engine_args(args: Any) -> dict[str, str]:
         shown = json.dumps(value) if isinstance(value, dict) else value
         out[f"--{name.replace('_', '-')}" + ("" if value is True else f" {shown}")] = why
 
-    for name in ("revision", "download_dir"):
-        if getattr(args, name) is not None:
-            note(name, HUB_ONLY)
+    if not from_hub:
+        for name in ("revision", "download_dir"):
+            if getattr(args, name, None) is not None:
+                note(name, HUB_ONLY)
     if args.tokenizer_mode not in ("auto", "hf"):
         note("tokenizer_mode", "pagellm loads every tokenizer with transformers' AutoTokenizer (its fast tokenizer)")
     if args.distributed_executor_backend is not None:
@@ -134,9 +136,9 @@ def ignored_engine_args(args: Any) -> dict[str, str]:
     return out
 
 
-def log_ignored_engine_args(args: Any) -> None:
+def log_ignored_engine_args(args: Any, from_hub: bool = False) -> None:
     """One INFO line per vLLM argument given that changes nothing here, once per process."""
-    for flag, why in ignored_engine_args(args).items():
+    for flag, why in ignored_engine_args(args, from_hub).items():
         if flag not in _logged:
             _logged.add(flag)
             logger.info("%s has no effect: %s", flag, why)

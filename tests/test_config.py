@@ -86,7 +86,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_available_memory(llama_p
     (dict(served_model_name=[]), "served_model_name"),
     (dict(tokenizer_mode="sentencepiece"), r"tokenizer_mode \(--tokenizer-mode\) must be one of auto, hf, slow"),
     (dict(revision=""), r"revision \(--revision\) must be a non-empty string"),
-    (dict(tokenizer_revision="main"), "tokenizer_revision='main' is not supported: pagellm loads local folders only"),
+    (dict(tokenizer_revision=""), r"tokenizer_revision \(--tokenizer-revision\) must be a non-empty string"),
     (dict(enable_lora=True), "LoRA adapters are not supported yet"),
 ])
 def test_vllm_values_pagellm_cannot_honour_are_refused_by_name(kwargs, match):

@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +28,7 @@ from pagellm.engine.phases import log_ready, phase
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.hf_overrides import apply_hf_overrides
+from pagellm.model.hub import is_hub_id, local_model_path, local_tokenizer
 from pagellm.model.llama import sliding_window_of
 from pagellm.model.phi3 import longrope_switch_length
 from pagellm.model.registry import model_class_for
@@ -115,14 +115,14 @@ class LLMEngine:
             path = default_model_path()
             logger.info("no model given: using the embedded default %s", path)
         else:
-            path = Path(args.model)
+            path = local_model_path(args)
         with phase("reading the model files"):
             self.model_files = files = loader.resolve_model_files(path)
         self.model_path = files.path
         with phase("reading the config and tokenizer"):
             self._read_config_and_tokenizer(args, files)
         config = self.model_config
-        log_ignored_engine_args(args)
+        log_ignored_engine_args(args, from_hub=args.model is not None and is_hub_id(args.model))
         if args.trust_remote_code:
             logger.info("trust_remote_code has no effect: pagellm runs no code from checkpoints, only its own "
                         "model classes")
@@ -156,7 +156,7 @@ class LLMEngine:
         args.step_token_budget(self.max_model_len)  # its rules before any heavy loading
         torch.manual_seed(args.seed)
 
-        self.tokenizer = startup.load_tokenizer(args.tokenizer or str(files.tokenizer_folder))
+        self.tokenizer = startup.load_tokenizer(local_tokenizer(args) or str(files.tokenizer_folder))
         # SamplingParams fields that requests leaving them unset take (generation_config.json's).
         self.default_sampling_fields = default_sampling_fields(args.generation_config, files.generation_config_folder,
                                                                args.override_generation_config)

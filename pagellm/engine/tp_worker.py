@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import torch
 
@@ -29,6 +28,7 @@ from pagellm.engine.startup import allocate_kv_cache, resolve_max_model_len
 from pagellm.model import loader
 from pagellm.model.default_model import default_model_path
 from pagellm.model.hf_overrides import apply_hf_overrides
+from pagellm.model.hub import local_model_path
 from pagellm.model.llama import sliding_window_of
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
@@ -42,7 +42,7 @@ MODULE = "pagellm.engine.tp_worker"
 def worker_main(args: EngineArgs, rank: int) -> None:
     """A worker rank: its share of the model and KV cache, then one forward pass per broadcast step."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
-    files = loader.resolve_model_files(Path(args.model) if args.model is not None else default_model_path())
+    files = loader.resolve_model_files(local_model_path(args) if args.model is not None else default_model_path())
     assert not isinstance(args.hf_overrides, str)  # (EngineArgs parsed its JSON)
     config = apply_hf_overrides(loader.load_config(files.folder), args.hf_overrides)
     device = local_device(loader.resolve_device(args.device), rank, args)

@@ -104,7 +104,7 @@ def check_model_folder(path: str | Path) -> Path:
     if not folder.exists():
         raise FileNotFoundError(
             f"model path {str(folder)!r} does not exist: pass a local Hugging Face model folder "
-            "(config.json + *.safetensors) or a .gguf file; pagellm does not download from a hub"
+            "(config.json + *.safetensors), a .gguf file, or a hub model id ORG/NAME"
         )
     if not folder.is_dir():
         raise NotADirectoryError(f"model path {str(folder)!r} is a file; pass the folder that holds config.json")
