@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -66,6 +67,24 @@ STATED_SIZES = {"attention.key_length": "head_dim", "expert_count": "num_local_e
 # Bumped when what the prepared folder holds changes: older folders are then rebuilt.
 PREPARED_FORMAT = 2
 WEIGHTS_MAP_FILE = "weights_map.json"
+
+
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def gguf_parts(gguf_path: Path) -> list[Path]:
+    """The files of a GGUF model: itself, or for a file split by llama.cpp's ``gguf-split``
+    (``NAME-00001-of-00003.gguf``) every part, in order (the first holds the metadata)."""
+    split = _SPLIT.search(gguf_path.name)
+    if split is None:
+        return [gguf_path]
+    stem, count = gguf_path.name[:split.start()], int(split.group(2))
+    parts = [gguf_path.with_name(f"{stem}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{gguf_path.name} is part of a GGUF file split in {count}: {', '.join(missing)} "
+                                f"missing beside it in {gguf_path.parent}")
+    return parts
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -207,22 +226,27 @@ def iterate_weights(gguf_path: Path, config: PretrainedConfig, dtype: torch.dtyp
     from gguf import GGMLQuantizationType, dequantize
     from tqdm.auto import tqdm
 
-    header = read_header(gguf_path)
-    check_tensor_types(header, gguf_path)
+    # Every part's tensors, each read from its own file (a whole file is one part).
+    tensors: list[tuple[GGUFHeader, Any, TensorInfo]] = []
+    for part in gguf_parts(gguf_path):
+        header = read_header(part)
+        check_tensor_types(header, part)
+        data = np.memmap(part, dtype=np.uint8, mode="r")
+        tensors += [(header, data, t) for t in header.tensors]
     prepared = json.loads((prepared_folder(gguf_path) / WEIGHTS_MAP_FILE).read_text())
     name_map: dict[str, str] = prepared["names"]
     if config.num_hidden_layers != prepared.get("num_layers"):
         # --hf-overrides changed the model's shape: the file's extra layers must map to nothing.
         name_map = _weights_map(config, prepared["architecture"])
     processor = _processor(prepared["architecture"], config)
-    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     # Processors of MoE files put the experts straight into parsed["tensors"], gate and up of a layer
     # filling halves of one tensor from two GGUF tensors: each is handed on once its last part is in.
     parsed: dict[str, Any] = {"config": config.to_dict(), "tensors": {}}
-    targets = [name_map.get(t.name) or name_map.get(t.name.rsplit(".", 1)[0]) for t in header.tensors]
+    targets = [name_map.get(t.name) or name_map.get(t.name.rsplit(".", 1)[0]) for _, _, t in tensors]
     parts_left = Counter(targets)
-    for tensor, target in tqdm(list(zip(header.tensors, targets)), desc="Loading GGUF weights", unit="tensor",
-                               dynamic_ncols=True, disable=gguf_path.stat().st_size < 256 * 2**20):
+    for (header, data, tensor), target in tqdm(list(zip(tensors, targets)), desc="Loading GGUF weights",
+                                               unit="tensor", dynamic_ncols=True,
+                                               disable=gguf_path.stat().st_size < 256 * 2**20):
         view = tensor_view(header, data, tensor)
         if keep_quantized and _keeps_blocks(target, tensor):
             raw = np.asarray(view)

@@ -87,8 +87,8 @@ def download_model(model: str, settings: HubSettings) -> Path:
         ggufs = [g for g in ggufs if any(fnmatch.fnmatch(g.name, p) for p in patterns)]
     elif tag or settings.gguf_file:  # offline: the cached file of that quantization or name
         ggufs = [g for g in ggufs if _matches(g.name, tag, settings.gguf_file)]
-    if ggufs:
-        return ggufs[0]
+    if ggufs:  # a split file's first part names the model (its parts load as one: gguf_file.gguf_parts)
+        return next((g for g in ggufs if _split_part(g.name) in (None, 1)), ggufs[0])
     if not (folder / "config.json").is_file():
         raise HubError(f"{repo_id}: the cached snapshot {folder} holds no config.json and no GGUF file; download it "
                        "again without HF_HUB_OFFLINE")
@@ -143,11 +143,10 @@ def _patterns(repo_id: str, files: dict[str, int], tag: str | None, gguf_file: s
         what = f"no GGUF file{f' of {tag}' if tag else ''}" if (tag or gguf_file) else "no weights pagellm reads"
         raise HubError(f"{repo_id} has {what} (*.safetensors or *.gguf); it holds: {', '.join(sorted(files)) or '-'}")
     chosen = _pick_gguf(repo_id, ggufs, tag, gguf_file)
-    if _split_part(chosen) is not None:
-        raise HubError(f"{repo_id}: {chosen} is one part of a split GGUF file, which pagellm does not load yet: "
-                       "choose a quantization stored whole (ORG/NAME:QUANT, --gguf-file), or download the parts and "
-                       "merge them with llama.cpp's `llama-gguf-split --merge`")
-    return [*SUPPORT_FILES, chosen]
+    split = _SPLIT.search(chosen)
+    if split is None:
+        return [*SUPPORT_FILES, chosen]
+    return [*SUPPORT_FILES, *(f for f in ggufs if f.startswith(chosen[:split.start()]) and _SPLIT.search(f))]
 
 
 def _pick_gguf(repo_id: str, ggufs: dict[str, int], tag: str | None, gguf_file: str | None) -> str:

@@ -179,12 +179,15 @@ def test_a_tokenizer_id_downloads_only_the_tokenizer(hub, llama_path, tmp_path):
     assert (snapshot / "tokenizer.json").is_file() and not (snapshot / "model.safetensors").exists()
 
 
-def test_a_split_gguf_file_is_refused_before_anything_downloads(hub, tmp_path):
+def test_a_split_gguf_file_comes_down_whole_and_loads_as_one_model(hub, llama_path, tmp_path):
     split = tmp_path / "split"
     split.mkdir()
-    for k in (1, 2):
-        (split / f"big-Q4_K_M-0000{k}-of-00002.gguf").write_bytes(b"GGUF" + b"\0" * 64)
-    hub.add("org/big-GGUF", split)
-    with pytest.raises(HubError, match="split GGUF file.*llama-gguf-split"):
-        download_model("org/big-GGUF:Q4_K_M", HubSettings())
-    assert not any("resolve" in r[1] for r in hub.requests)
+    first = write_gguf(llama_path, split / "tiny-Q8_0.gguf", "Q8_0", split_max_tensors=8)
+    write_gguf(llama_path, split / "tiny-F32.gguf", "F32")
+    hub.add("org/split-GGUF", split)
+    path = download_model("org/split-GGUF:Q8_0", HubSettings())
+    assert path.name == first.name and len(list(path.parent.glob("tiny-Q8_0-*.gguf"))) == 3
+    whole = write_gguf(llama_path, tmp_path / "whole-Q8_0.gguf", "Q8_0")
+    want = LLM(str(whole), max_model_len=64, num_kv_blocks=16).generate(["Hello"], GREEDY, use_tqdm=False)
+    got = LLM("org/split-GGUF:Q8_0", max_model_len=64, num_kv_blocks=16).generate(["Hello"], GREEDY, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

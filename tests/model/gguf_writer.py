@@ -25,9 +25,12 @@ def _permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, out: Path, qtype: str = "F32", eot_token_id: int | None = None) -> Path:
+def write_gguf(folder: Path, out: Path, qtype: str = "F32", eot_token_id: int | None = None,
+               split_max_tensors: int = 0) -> Path:
     """The checkpoint in ``folder`` as a GGUF file, its 2-D weights stored as ``qtype`` (with an
-    end-of-turn id besides the eos one where given, as Llama 3's files have)."""
+    end-of-turn id besides the eos one where given, as Llama 3's files have); with
+    ``split_max_tensors``, split as llama.cpp's gguf-split does (``out``'s stem with
+    ``-0000K-of-0000N``: returns the first part)."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text())
@@ -35,7 +38,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", eot_token_id: int | 
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(layers)
@@ -76,6 +79,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", eot_token_id: int | 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        return next(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))
     return out
 
 
