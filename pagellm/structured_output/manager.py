@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 from pagellm.config import ConstraintLimits
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -23,6 +23,7 @@ from pagellm.structured_output.backend_guidance import GuidanceBackend, Guidance
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
 from pagellm.structured_output.compiler import ConstraintCompiler, Refused
 from pagellm.structured_output.reasoning_gate import ReasoningGate, gated
+from pagellm.structured_output.seq_view import ConstrainedSeq
 from pagellm.structured_output.wrap_up import (
     LOOKAHEAD,
     RECHECK,
@@ -37,21 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Compiled constraints kept: a service sees a few schemas many times (its tools, its extractors).
 DEFAULT_CACHE_SIZE = 256
-
-
-class ConstrainedSeq(Protocol):
-    """What the manager reads of a sampled sequence (the model runner's state of it)."""
-
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def params(self) -> SamplingParams: ...
-    @property
-    def output_token_ids(self) -> list[int]: ...
-    @property
-    def num_output_tokens(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
 
 
 def needs_mask(params: SamplingParams) -> bool:

@@ -10,18 +10,9 @@ end, the next tokens are forced to be the end marker's, one by one.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
 from pagellm.sampling_params import SamplingParams
-
-
-class ReasoningSeq(Protocol):
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def params(self) -> SamplingParams: ...
-    @property
-    def output_token_ids(self) -> list[int]: ...
+from pagellm.structured_output.seq_view import ConstrainedSeq
 
 
 def gated(params: SamplingParams) -> bool:
@@ -46,7 +37,7 @@ class ReasoningGate:
         self._ends: dict[int, int] = {}  # seq_id -> index just past the end marker in its output
         self._scanned: dict[int, int] = {}  # seq_id -> output tokens searched without finding it
 
-    def end_of(self, seq: ReasoningSeq) -> int | None:
+    def end_of(self, seq: ConstrainedSeq) -> int | None:
         """Where ``seq``'s output leaves reasoning (0 for a request without a reasoning marker); None
         while it is still thinking."""
         marker = seq.params.reasoning_end_token_ids
@@ -66,7 +57,7 @@ class ReasoningGate:
         return end
 
     @staticmethod
-    def forced_token(seq: ReasoningSeq) -> int | None:
+    def forced_token(seq: ConstrainedSeq) -> int | None:
         """The marker's next token when ``seq`` spent its thinking budget without ending (None: free)."""
         budget = seq.params.thinking_token_budget
         marker = seq.params.reasoning_end_token_ids

@@ -9,6 +9,7 @@ more appended only ever extends that view, so a stream sends differences and the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,3 +199,27 @@ def held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def tagged_calls(text: str, final: bool, start: str,
+                 read_call: Callable[[str, int], tuple[PartialCall | None, int | None]]) -> ParsedOutput:
+    """Content, then calls each in a block opening with ``start``: ``read_call(text, i)`` reads the
+    block whose body starts at ``i`` into (its call, or None where it holds none (yet); where to look
+    for the next block, or None while this one is open). A final text without complete calls is all
+    content."""
+    first = text.find(start)
+    if first < 0:
+        return ParsedOutput(text if final else text[: len(text) - held_back(text, start)])
+    out = ParsedOutput(text[:first])
+    pos = first
+    while pos >= 0:
+        call, after = read_call(text, pos + len(start))
+        if call is None:
+            break
+        out.calls.append(call)
+        if after is None:
+            break
+        pos = text.find(start, after)
+    if final and not out.tools_called:
+        return ParsedOutput(text)
+    return out

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pagellm.entrypoints.openai.tool_parsers.base import (
     ParsedOutput,
+    PartialCall,
     ToolParser,
-    held_back,
     scan_call_object,
     skip_ws,
+    tagged_calls,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -18,23 +19,15 @@ class HermesToolParser(ToolParser):
     name = "hermes"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(START)
-        if first < 0:
-            return ParsedOutput(text if final else text[: len(text) - held_back(text, START)])
-        out = ParsedOutput(text[:first])
-        pos = first
-        while pos >= 0:
-            j = skip_ws(text, pos + len(START))
-            if j >= len(text):
-                break
-            if text[j] != "{":
-                return ParsedOutput(text) if final else out
-            scan = scan_call_object(text, j)
-            out.calls.append(scan.call)
-            if scan.malformed or scan.end is None:
-                break
-            close = text.find(END, scan.end)
-            pos = text.find(START, close if close >= 0 else scan.end)
-        if final and not out.tools_called:
-            return ParsedOutput(text)
-        return out
+        return tagged_calls(text, final, START, _read_call)
+
+
+def _read_call(text: str, i: int) -> tuple[PartialCall | None, int | None]:
+    j = skip_ws(text, i)
+    if j >= len(text) or text[j] != "{":
+        return None, None
+    scan = scan_call_object(text, j)
+    if scan.malformed or scan.end is None:
+        return scan.call, None
+    close = text.find(END, scan.end)
+    return scan.call, close if close >= 0 else scan.end

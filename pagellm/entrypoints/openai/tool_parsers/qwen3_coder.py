@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagellm.entrypoints.openai.tool_parsers.base import ParsedOutput, PartialCall, ToolParser, held_back
+from pagellm.entrypoints.openai.tool_parsers.base import ParsedOutput, PartialCall, ToolParser, tagged_calls
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -30,22 +30,7 @@ class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(START)
-        if first < 0:
-            return ParsedOutput(text if final else text[: len(text) - held_back(text, START)])
-        out = ParsedOutput(text[:first])
-        pos = first
-        while pos >= 0:
-            call, end = self._call(text, pos + len(START))
-            if call is None:
-                break
-            out.calls.append(call)
-            if end is None:
-                break
-            pos = text.find(START, end)
-        if final and not out.tools_called:
-            return ParsedOutput(text)
-        return out
+        return tagged_calls(text, final, START, self._call)
 
     def _call(self, text: str, i: int) -> tuple[PartialCall | None, int | None]:
         """The call whose block starts at ``i`` and where its block ends (None: still open)."""
