@@ -249,8 +249,8 @@ class Scheduler:
                 # nothing running will free blocks (it reads them again later).
                 if self.kv_cache_manager.release_staged(keep=seq):
                     continue
-                if not self.running:
-                    self.kv_cache_manager.release_staged()
+                if not self.running and self.kv_cache_manager.release_staged():
+                    continue
                 break
             self.waiting.pop(0)
             if not seq.was_admitted:

@@ -10,6 +10,7 @@ import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.core.disk_index import SUFFIX
+from pagellm.engine.metrics import EngineMetrics
 from tests.helpers import assert_all_blocks_free, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -42,6 +43,7 @@ def want(llama_path) -> list[list[int]]:
 def test_evicted_blocks_come_back_from_disk_with_the_same_tokens(llama_path, tmp_path, want):
     llm = LLM(str(llama_path), kv_offload_dir=str(tmp_path / "tier"), **KW)
     engine = llm.llm_engine
+    metrics = EngineMetrics(engine, "m")
     got = [run(llm, [p])[0] for p in prompts()]
     assert got == want
     index, store = engine.kv_cache_manager.disk, engine.model_runner.disk_store
@@ -53,6 +55,11 @@ def test_evicted_blocks_come_back_from_disk_with_the_same_tokens(llama_path, tmp
     assert len(block_files(tmp_path / "tier")) == len(index) > 0
     stats = engine.get_stats()
     assert stats.kv_offload_hit_blocks == index.hit_blocks and stats.kv_offload_failed_reads == 0
+    metrics.on_step([])
+    text = metrics.render().decode()
+    assert f"pagellm_kv_offload_hit_blocks_total{{model_name=\"m\"}} {float(index.hit_blocks)}" in text
+    for name in ("read_bytes", "written_bytes", "evictions", "failed_reads"):
+        assert f"pagellm_kv_offload_{name}_total" in text
     assert_all_blocks_free(llm)
     llm.llm_engine.shutdown()
 
@@ -138,3 +145,19 @@ def test_bad_folders_are_clear_errors_at_start_up(llama_path, tmp_path):
         EngineArgs(kv_offload_dir=str(tmp_path), enable_prefix_caching=False)
     with pytest.raises(ValueError, match="no-calculate-kv-scales"):
         EngineArgs(kv_offload_dir=str(tmp_path), kv_cache_dtype="fp8")
+
+
+def test_a_folder_lost_at_run_time_falls_back_to_recomputing(llama_path, tmp_path, want, caplog):
+    import shutil
+
+    tier = tmp_path / "tier"
+    llm = LLM(str(llama_path), kv_offload_dir=str(tier), **KW)
+    shutil.rmtree(tier)  # (as a disk gone read-only or full: every write and read fails)
+    with caplog.at_level("WARNING"):
+        assert [run(llm, [p])[0] for p in prompts()] == want
+    engine = llm.llm_engine
+    engine.model_runner.disk_store.flush()
+    assert engine.model_runner.disk_store.write_errors > 0 and "cannot write" in caplog.text
+    assert engine.kv_cache_manager.disk.hit_blocks == 0
+    assert_all_blocks_free(llm)
+    engine.shutdown()
