@@ -45,6 +45,10 @@ class KVDiskStore:
     thread, after the writes queued before them. Write errors (a full disk, a folder made read-only) are
     logged and the block stays unsaved: a later read of it fails and the block is recomputed."""
 
+    # Bytes of copies waiting for the writer past which a save is skipped (a disk slower than the
+    # evictions must not take the host's memory; a skipped block is recomputed when needed).
+    MAX_PENDING_BYTES = 1 << 30
+
     def __init__(self, group_dirs: Sequence[str], group_caches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
                  ) -> None:
         self.group_dirs = list(group_dirs)
@@ -54,6 +58,8 @@ class KVDiskStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self.write_errors = 0
+        self.skipped_saves = 0
+        self._pending_bytes = 0
         self._pending: dict[tuple[int, int], torch.Tensor] = {}  # (group, hash) -> bytes not written yet
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, int, int, torch.Tensor | None] | None] = queue.Queue()
@@ -67,10 +73,17 @@ class KVDiskStore:
     def save_blocks(self, group: int, saves: list[tuple[int, int]]) -> None:
         """Copy each (block id, hash) out of the pool now and queue its file's write."""
         for block_id, h in saves:
+            if self._pending_bytes + self.block_nbytes[group] > self.MAX_PENDING_BYTES:
+                self.skipped_saves += 1
+                if self.skipped_saves == 1:
+                    logger.warning("KV tier: the disk is slower than the evictions; blocks are skipped while %d MiB "
+                                   "wait to be written", self.MAX_PENDING_BYTES >> 20)
+                continue
             parts = [_block_bytes(pool, block_id) for kv in self.group_caches[group] for pool in kv]
             data = torch.cat(parts).cpu()
             with self._lock:
                 self._pending[(group, h)] = data
+                self._pending_bytes += data.numel()
             self._queue.put(("write", group, h, data))
 
     def delete_blocks(self, group: int, hashes: list[int]) -> None:
@@ -155,6 +168,7 @@ class KVDiskStore:
                     assert data is not None
                     self._write(group, h, data)
                     with self._lock:
+                        self._pending_bytes -= data.numel()
                         if self._pending.get((group, h)) is data:
                             del self._pending[(group, h)]
                 else:

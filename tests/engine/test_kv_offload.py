@@ -161,3 +161,22 @@ def test_a_folder_lost_at_run_time_falls_back_to_recomputing(llama_path, tmp_pat
     assert engine.kv_cache_manager.disk.hit_blocks == 0
     assert_all_blocks_free(llm)
     engine.shutdown()
+
+
+def test_two_engines_on_one_folder_at_once_share_the_blocks(llama_path, tmp_path, want):
+    # Both start on an empty folder; what one writes, the other finds on its next lookup.
+    tier = str(tmp_path / "tier")
+    a = LLM(str(llama_path), kv_offload_dir=tier, **KW)
+    b = LLM(str(llama_path), kv_offload_dir=tier, **KW)
+    assert run(a, prompts()[:2]) == want[:2]
+    run(a, random_prompts([48, 48], vocab=500, seed=9))  # both documents evicted to disk
+    a.llm_engine.model_runner.disk_store.flush()
+    assert run(b, prompts()[2:]) == want[2:]
+    assert b.llm_engine.kv_cache_manager.disk.hit_blocks == 24
+    # And back: b's own evictions are written beside a's, and a reads them too.
+    run(b, random_prompts([48, 48], vocab=500, seed=10))
+    b.llm_engine.model_runner.disk_store.flush()
+    assert run(a, prompts()[2:]) == want[2:]
+    for llm in (a, b):
+        assert_all_blocks_free(llm)
+        llm.llm_engine.shutdown()

@@ -117,3 +117,21 @@ def test_a_folder_that_cannot_be_written_any_more_logs_and_skips_the_writes(tmp_
     assert store.write_errors == 1 and "cannot write" in caplog.text
     assert store.load_blocks(0, [(H, 1)]) == [1]  # never written: a miss, recomputed
     store.close()
+
+
+def test_saves_past_the_pending_bound_are_skipped(tmp_path, monkeypatch):
+    import threading
+
+    src = engine()
+    store = KVDiskStore([str(tmp_path)], src.group_kv_caches)
+    monkeypatch.setattr(store, "MAX_PENDING_BYTES", store.block_nbytes[0])
+    gate = threading.Event()
+    write = store._write
+    monkeypatch.setattr(store, "_write", lambda g, h, d: (gate.wait(10), write(g, h, d)))
+    store.save_blocks(0, [(0, H), (1, H + 2)])  # the first waits for a slow disk; the second is past the bound
+    assert store.skipped_saves == 1
+    gate.set()
+    store.flush()
+    assert store._pending_bytes == 0
+    assert (tmp_path / block_file_name(H)).exists() and not (tmp_path / block_file_name(H + 2)).exists()
+    store.close()
