@@ -169,6 +169,11 @@ class KVCacheManager:
             pinned += len(held)
         return pinned
 
+    def save_pinned(self) -> int:
+        """Write every group's pinned blocks to the disk tier with the next step (0 without one), so that a
+        restarted engine preloads them from disk; returns the blocks to write."""
+        return sum(g.save_pinned() for g in self.groups)
+
     def unpin_all(self) -> int:
         """Release every pin; returns the blocks released (every group's)."""
         return sum(g.unpin_all() for g in self.groups)

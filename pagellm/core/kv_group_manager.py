@@ -128,6 +128,7 @@ class KVGroupManager:
         self.disk: DiskIndex | None = None
         self.disk_group = 0
         self.pending_loads: list[tuple[int, int]] = []  # (block hash, device block) to read this step
+        self.pending_saves: list[tuple[int, int]] = []  # (device block, hash) held blocks to write (pins)
         # Blocks read from disk for a waiting sequence, held (one reference each) until it is admitted and
         # its table holds them, or it is freed: seq_id -> blocks.
         self.staged: dict[int, list[KVBlock]] = {}
@@ -251,11 +252,12 @@ class KVGroupManager:
             return moves
         evicted = self.pool.evicted
         assert evicted is not None
-        for block_id, h in evicted:
+        for block_id, h in [*self.pending_saves, *evicted]:
             if not self.disk.has(self.disk_group, h):
                 self.disk.add(self.disk_group, h)
                 moves.saves.append((block_id, h))
         evicted.clear()
+        self.pending_saves = []
         moves.loads, self.pending_loads = self.pending_loads, []
         return moves
 
@@ -462,6 +464,16 @@ class KVGroupManager:
             self.pool.touch(block)
             self.pinned.append(block)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+
+    def save_pinned(self) -> int:
+        """Ask for the pinned blocks not on disk yet to be written there (they hold still while pinned);
+        returns how many."""
+        if self.disk is None:
+            return 0
+        saves = {b.block_id: (b.block_id, b.block_hash) for b in self.pinned
+                 if b.block_hash is not None and not self.disk.has(self.disk_group, b.block_hash)}
+        self.pending_saves.extend(saves.values())
+        return len(saves)
 
     def unpin_all(self) -> int:
         n = len(self.pinned)

@@ -376,6 +376,8 @@ class LLMEngine:
                 f"one sequence of max_model_len={self.max_model_len} ({needed} blocks); preload fewer prompts or "
                 "raise --kv-cache-memory / --num-kv-blocks"
             )
+        if manager.save_pinned():
+            self.step()  # (a step of block moves only: the pinned blocks are written to the disk tier)
         logger.info("preloaded %s: %s pinned", plural(len(requests), "prompt"), plural(pinned, "KV block"))
         return pinned
 

@@ -10,6 +10,7 @@ import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.core.disk_index import SUFFIX
+from pagellm.engine.kv_state import kv_state
 from pagellm.engine.metrics import EngineMetrics
 from tests.helpers import assert_all_blocks_free, random_prompts
 
@@ -55,6 +56,9 @@ def test_evicted_blocks_come_back_from_disk_with_the_same_tokens(llama_path, tmp
     assert len(block_files(tmp_path / "tier")) == len(index) > 0
     stats = engine.get_stats()
     assert stats.kv_offload_hit_blocks == index.hit_blocks and stats.kv_offload_failed_reads == 0
+    disk = kv_state(engine.kv_cache_manager, engine.scheduler)["disk"]
+    assert disk["num_blocks"] == len(index) and disk["bytes"] == index.total_bytes
+    assert disk["hit_blocks"] == index.hit_blocks and disk["capacity_bytes"] == 64 * 2**30
     metrics.on_step([])
     text = metrics.render().decode()
     assert f"pagellm_kv_offload_hit_blocks_total{{model_name=\"m\"}} {float(index.hit_blocks)}" in text
@@ -180,3 +184,20 @@ def test_two_engines_on_one_folder_at_once_share_the_blocks(llama_path, tmp_path
     for llm in (a, b):
         assert_all_blocks_free(llm)
         llm.llm_engine.shutdown()
+
+
+def test_preloaded_prompts_are_written_and_a_restart_preloads_them_from_disk(llama_path, tmp_path):
+    tier = str(tmp_path / "tier")
+    system = "You are a helpful assistant. " * 2
+    kw = {**KW, "num_kv_blocks": 40}
+    first = LLM(str(llama_path), kv_offload_dir=tier, preload_prompts=[system], **kw)
+    store = first.llm_engine.model_runner.disk_store
+    store.flush()
+    pinned = first.llm_engine.kv_cache_manager.num_pinned_blocks
+    assert pinned > 0 and len(block_files(tmp_path / "tier")) == pinned  # written though never evicted
+    want = first.generate([system + "Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    first.llm_engine.shutdown()
+    second = LLM(str(llama_path), kv_offload_dir=tier, preload_prompts=[system], **kw)
+    assert second.llm_engine.kv_cache_manager.disk.hit_blocks == pinned
+    assert second.generate([system + "Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    second.llm_engine.shutdown()
