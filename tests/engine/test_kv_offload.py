@@ -201,3 +201,45 @@ def test_preloaded_prompts_are_written_and_a_restart_preloads_them_from_disk(lla
     assert second.llm_engine.kv_cache_manager.disk.hit_blocks == pinned
     assert second.generate([system + "Hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
     second.llm_engine.shutdown()
+
+
+CHILD = """
+import json, sys
+from pagellm import LLM, SamplingParams
+path, tier, kw, prompts = json.loads(sys.argv[1])
+llm = LLM(path, kv_offload_dir=tier, **kw)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+for p in prompts:
+    llm.llm_engine.add_request(str(len(p)) + str(p[0]), {"prompt_token_ids": p}, params, cache_salt="tenant-a")
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+llm.llm_engine.shutdown()
+"""
+
+
+def test_another_process_with_another_hash_seed_reads_the_blocks(llama_path, tmp_path, want):
+    # Blocks written by a process whose str hashes differ (PYTHONHASHSEED) are found by this one: the
+    # prefix hash is a sha256, the cache salt (a string) included.
+    import json
+    import subprocess
+    import sys
+
+    tier = str(tmp_path / "tier")
+    evict = random_prompts([48, 48], vocab=500, seed=9)
+    args = json.dumps([str(llama_path), tier, KW, [*prompts()[:2], *evict]])
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    subprocess.run([sys.executable, "-c", CHILD, args], check=True, env=env, timeout=300, capture_output=True)
+    assert len(block_files(tmp_path / "tier")) >= 24
+    llm = LLM(str(llama_path), kv_offload_dir=tier, **KW)
+    engine = llm.llm_engine
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()[2:]], GREEDY, use_tqdm=False)
+    assert engine.kv_cache_manager.disk.hit_blocks == 0  # another salt: other blocks
+    for i, p in enumerate(prompts()[2:]):
+        request = engine.add_request(f"salted-{i}", {"prompt_token_ids": p}, GREEDY, cache_salt="tenant-a")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert list(request.seqs[0].output_token_ids) == want[2 + i]
+    assert [o.outputs[0].token_ids for o in outs] == want[2:]
+    assert engine.kv_cache_manager.disk.hit_blocks == 24
+    assert_all_blocks_free(llm)
+    engine.shutdown()
