@@ -140,3 +140,25 @@ def open_disk_tier(args: EngineArgs, files: loader.ModelFiles, config: Any, dtyp
                 capacity / 2**30, len(index), index.total_bytes / 2**20)
     return store
 
+
+
+def save_cached_blocks(manager: KVCacheManager, store: KVDiskStore) -> int:
+    """Write every cached block that is only in memory to the tier (at shutdown, so that a restarted
+    engine finds what this one computed, not only what it evicted), oldest first; returns how many."""
+    index = manager.disk
+    if index is None:
+        return 0
+    total = 0
+    for g, group in enumerate(manager.groups):
+        saves = [(block.block_id, h) for h, block in group.pool.cached_blocks.items() if not index.has(g, h)]
+        if not saves:
+            continue
+        if not total:
+            logger.info("KV tier on disk: writing the cached blocks before stopping")
+        for _, h in saves:
+            index.add(g, h)
+        store.save_blocks(g, saves, wait=True)
+        total += len(saves)
+    for g, h in index.take_deletes():
+        store.delete_blocks(g, [h])
+    return total

@@ -24,7 +24,7 @@ from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
 from pagellm.engine import startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
-from pagellm.engine.kv_offload import open_disk_tier
+from pagellm.engine.kv_offload import open_disk_tier, save_cached_blocks
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.phases import log_ready, phase
 from pagellm.model import loader
@@ -430,7 +430,12 @@ class LLMEngine:
             self.tensor_parallel.close()
         runner = getattr(self, "model_runner", None)
         if runner is not None and runner.disk_store is not None:
+            try:
+                save_cached_blocks(self.kv_cache_manager, runner.disk_store)
+            except Exception as e:  # (stopping goes on: those blocks are recomputed next time)
+                logger.warning("KV tier on disk: could not write the cached blocks: %s: %s", type(e).__name__, e)
             runner.disk_store.close()  # (the writes queued finish first)
+            runner.disk_store = None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self.step_observers:

@@ -70,9 +70,12 @@ class KVDiskStore:
         return os.path.join(self.group_dirs[group], block_file_name(block_hash))
 
     # ----------------------------------------------------------- the step
-    def save_blocks(self, group: int, saves: list[tuple[int, int]]) -> None:
-        """Copy each (block id, hash) out of the pool now and queue its file's write."""
+    def save_blocks(self, group: int, saves: list[tuple[int, int]], wait: bool = False) -> None:
+        """Copy each (block id, hash) out of the pool now and queue its file's write; past the bound on
+        unwritten copies, skip the block, or with ``wait`` wait for the writer first."""
         for block_id, h in saves:
+            if wait and self._pending_bytes + self.block_nbytes[group] > self.MAX_PENDING_BYTES:
+                self.flush()
             if self._pending_bytes + self.block_nbytes[group] > self.MAX_PENDING_BYTES:
                 self.skipped_saves += 1
                 if self.skipped_saves == 1:

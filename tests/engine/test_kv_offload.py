@@ -243,3 +243,18 @@ def test_another_process_with_another_hash_seed_reads_the_blocks(llama_path, tmp
     assert engine.kv_cache_manager.disk.hit_blocks == 24
     assert_all_blocks_free(llm)
     engine.shutdown()
+
+
+def test_blocks_still_cached_at_shutdown_are_written_for_the_next_engine(llama_path, tmp_path, want):
+    # A pool large enough that nothing is evicted: stopping writes the cached blocks.
+    tier = str(tmp_path / "tier")
+    kw = {**KW, "num_kv_blocks": 200}
+    first = LLM(str(llama_path), kv_offload_dir=tier, **kw)
+    assert run(first, prompts()[:2]) == want[:2]
+    assert not block_files(tmp_path / "tier")
+    first.shutdown()
+    assert len(block_files(tmp_path / "tier")) == len(first.llm_engine.kv_cache_manager.disk) >= 24
+    second = LLM(str(llama_path), kv_offload_dir=tier, **kw)
+    assert run(second, prompts()[2:]) == want[2:]
+    assert second.llm_engine.kv_cache_manager.disk.hit_blocks == 24
+    second.shutdown()
