@@ -130,13 +130,14 @@ class KVDiskStore:
             return pending
         path = self.path(group, h)
         expected = self.block_nbytes[group]
+        raw = bytearray(HEADER.size + expected + 1)  # (one byte more: a longer file is found out)
         try:
             with open(path, "rb") as f:
-                raw = f.read(HEADER.size + expected + 1)
+                n = f.readinto(raw)
         except OSError as e:
             logger.warning("KV tier: cannot read %s (%s): recomputing the block", path, e)
             return None
-        why = self._check(raw, h, expected)
+        why = self._check(memoryview(raw)[:n], h, expected)
         if why is not None:
             logger.warning("KV tier: %s %s: recomputing the block and deleting the file", path, why)
             with contextlib.suppress(OSError):
@@ -145,17 +146,17 @@ class KVDiskStore:
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used, for the other processes' and the next start's LRU order
         self.bytes_read += expected
-        return torch.frombuffer(bytearray(raw[HEADER.size:]), dtype=torch.uint8)
+        return torch.frombuffer(raw, dtype=torch.uint8, count=expected, offset=HEADER.size)
 
     @staticmethod
-    def _check(raw: bytes, h: int, expected: int) -> str | None:
+    def _check(raw: memoryview, h: int, expected: int) -> str | None:
         """Why a file's bytes are not block ``h``'s (None: they are)."""
         if len(raw) != HEADER.size + expected:
             return f"has {len(raw)} bytes, not {HEADER.size + expected} (torn, truncated or another layout)"
         magic, key, length, crc = HEADER.unpack_from(raw)
         if magic != MAGIC or key != h.to_bytes(16, "little") or length != expected:
             return "has a header of another block or format"
-        if zlib.crc32(memoryview(raw)[HEADER.size:]) != crc:
+        if zlib.crc32(raw[HEADER.size:]) != crc:
             return "fails its checksum"
         return None
 
@@ -186,8 +187,8 @@ class KVDiskStore:
 
     def _write(self, group: int, h: int, data: torch.Tensor) -> None:
         path = self.path(group, h)
-        payload = data.numpy().tobytes()
-        header = HEADER.pack(MAGIC, h.to_bytes(16, "little"), len(payload), zlib.crc32(payload))
+        payload = data.numpy().data  # (a memoryview of the copy itself: no other copy)
+        header = HEADER.pack(MAGIC, h.to_bytes(16, "little"), payload.nbytes, zlib.crc32(payload))
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -201,7 +202,7 @@ class KVDiskStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return
-        self.bytes_written += len(header) + len(payload)
+        self.bytes_written += len(header) + payload.nbytes
 
     def flush(self) -> None:
         """Wait until every queued write and delete is done."""
