@@ -180,9 +180,10 @@ class EngineArgs:
         "differently); --no-batch-invariant lets short prompt chunks run unpadded and read quantized blocks "
         "directly"))
     kv_offload_dir: str | None = field(default=None, metadata=_flag(
-        "a folder for a persistent KV tier on disk: cached prefix blocks evicted from memory are written there "
-        "and read back on a later prefix hit, by this process, a restarted one or another one on the same "
-        "folder with the same model and KV settings (default: none)", metavar="DIR"))
+        "a folder for a persistent KV tier on disk: cached prefix blocks evicted from memory, pinned ones and, "
+        "when the engine stops, the rest are written there and read back on a later prefix hit, by this "
+        "process, a restarted one or another one on the same folder with the same model and KV settings "
+        "(default: none)", metavar="DIR"))
     kv_offload_size: str = field(default="64GiB", metadata=_flag(
         "most bytes the KV tier on disk (--kv-offload-dir) holds for this model, e.g. '64GiB'; the least "
         "recently used blocks are deleted past it"))
