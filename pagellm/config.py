@@ -181,6 +181,14 @@ class EngineArgs:
         "its prompt is chunked: PyTorch's matmuls never get fewer than 16 rows (BLAS sums small row counts "
         "differently); --no-batch-invariant lets short prompt chunks run unpadded and read quantized blocks "
         "directly"))
+    kv_offload_dir: str | None = field(default=None, metadata=_flag(
+        "a folder for a persistent KV tier on disk: cached prefix blocks evicted from memory, pinned ones and, "
+        "when the engine stops, the rest are written there and read back on a later prefix hit, by this "
+        "process, a restarted one or another one on the same folder with the same model and KV settings "
+        "(default: none)", metavar="DIR"))
+    kv_offload_size: str = field(default="64GiB", metadata=_flag(
+        "most bytes the KV tier on disk (--kv-offload-dir) holds for this model, e.g. '64GiB'; the least "
+        "recently used blocks are deleted past it"))
     preload_prompts: str | list[str] | None = field(default=None, metadata=_flag(
         "prompts whose KV is computed at start-up and pinned (a JSON list or one prompt per line)",
         metavar="FILE"))
@@ -328,6 +336,23 @@ class EngineArgs:
                 parse_memory(self.kv_cache_memory)
             except ValueError as e:
                 raise ValueError(f"kv_cache_memory (--kv-cache-memory): {e}") from None
+        try:
+            parse_memory(self.kv_offload_size)
+        except ValueError as e:
+            raise ValueError(f"kv_offload_size (--kv-offload-size): {e}") from None
+        if self.kv_offload_dir is not None:
+            if not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir:
+                raise ValueError(f"kv_offload_dir (--kv-offload-dir) must be a folder, got {self.kv_offload_dir!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload_dir (--kv-offload-dir) keeps prefix-cache blocks: it needs prefix "
+                                 "caching; drop --no-enable-prefix-caching")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_dir (--kv-offload-dir) does not work with tensor parallelism yet; drop "
+                                 "--kv-offload-dir or --tensor-parallel-size")
+            if self.kv_cache_dtype != "auto" and self.calculate_kv_scales is not False:
+                raise ValueError("kv_offload_dir (--kv-offload-dir) with an fp8 KV cache needs fixed scales: K/V "
+                                 "scaled by one process's first prefill cannot be read by another; add "
+                                 "--no-calculate-kv-scales")
         if isinstance(self.preload_prompts, str):
             self.preload_prompts = read_prompt_file(self.preload_prompts)
         if self.preload_prompts is not None:
@@ -449,7 +474,7 @@ class EngineArgs:
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.pop("help", None), **meta}
             if f.type in ("bool", bool, "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
-            elif f.name in ("kv_cache_memory", "preload_prompts"):
+            elif f.name in ("kv_cache_memory", "preload_prompts", "kv_offload_dir", "kv_offload_size"):
                 kwargs["type"] = str
             elif "float" in str(f.type):
                 kwargs["type"] = float

@@ -6,14 +6,20 @@ the K/V values live in :mod:`pagellm.worker.cache_engine`, indexed by block id.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 
 BlockKey = tuple  # (parent_hash or None, tuple of token ids, extra keys or None)
 
 
 def hash_block_key(key: BlockKey) -> int:
-    """The chained prefix hash of a full block: its parent's hash, its tokens and extra keys."""
-    return hash(key)
+    """The chained prefix hash of a full block: its parent's hash, its tokens and extra keys.
+
+    Stable across processes (128 bits of a sha256 of the key's repr, not Python's seeded ``hash``):
+    the disk tier (disk_index.py) names its files by it, so that a restarted process or another one
+    finds the blocks again. The key holds ints, strings, None and tuples of them, whose repr is fixed.
+    """
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:16], "little")
 
 
 class KVBlock:
@@ -133,6 +139,9 @@ class BlockPool:
         # How many of those are free: kept up to date, as the metrics read it every step.
         self._num_cached_free = 0
         self._peak_used = 0
+        # (block id, hash) of every cached block evicted (reused) since the last take, while recorded
+        # (None: not recorded): the disk tier writes them out before the reuse overwrites them.
+        self.evicted: list[tuple[int, int]] | None = None
 
     @property
     def blocks(self) -> list[KVBlock]:
@@ -223,6 +232,8 @@ class BlockPool:
         """Forget what a free block (just taken off the queue) held."""
         if block.block_hash is not None:
             self._num_cached_free -= 1
+            if self.evicted is not None:
+                self.evicted.append((block.block_id, block.block_hash))
             del self.cached_blocks[block.block_hash]  # a hashed block is the one cached under it
             block.block_hash = None
             block.block_key = None

@@ -19,8 +19,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagellm.core.block_pool import KVBlock
+from pagellm.core.disk_index import DiskIndex
 from pagellm.core.kv_group_manager import OUT_OF_WINDOW, KVCacheStats, KVGroupManager, cdiv, is_held
-from pagellm.core.sched_output import BlockMoves
+from pagellm.core.sched_output import BlockMoves, DiskMoves
 from pagellm.core.sequence import Sequence
 
 __all__ = ["OUT_OF_WINDOW", "KVCacheBlocks", "KVCacheManager", "KVCacheStats", "cdiv", "is_held"]
@@ -71,6 +72,8 @@ class KVCacheManager:
         self.no_hit = KVCacheBlocks(tuple(() for _ in self.groups))
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found
+        # The KV tier on disk (attach_disk): evicted cached blocks are written there and read back.
+        self.disk: DiskIndex | None = None
 
     # A longrope model's switch (phi3.longrope_switch_length): every group keys its blocks alike (the
     # keys are memoised on the sequence, once for all groups).
@@ -166,6 +169,11 @@ class KVCacheManager:
             pinned += len(held)
         return pinned
 
+    def save_pinned(self) -> int:
+        """Write every group's pinned blocks to the disk tier with the next step (0 without one), so that a
+        restarted engine preloads them from disk; returns the blocks to write."""
+        return sum(g.save_pinned() for g in self.groups)
+
     def unpin_all(self) -> int:
         """Release every pin; returns the blocks released (every group's)."""
         return sum(g.unpin_all() for g in self.groups)
@@ -175,6 +183,80 @@ class KVCacheManager:
         if any(g.pool.num_used_blocks for g in self.groups):
             return False
         return all([g.reset_prefix_cache() for g in self.groups])
+
+    # -------------------------------------------------------- the disk tier
+    def attach_disk(self, index: DiskIndex) -> None:
+        """Write cached blocks evicted from every group to ``index``'s tier, and read prefix hits back."""
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV tier on disk (--kv-offload-dir) needs prefix caching")
+        if len(index.group_dirs) != len(self.groups):
+            raise ValueError(f"the disk tier has {len(index.group_dirs)} group folders for {len(self.groups)} groups")
+        self.disk = index
+        for i, group in enumerate(self.groups):
+            group.attach_disk(index, i)
+
+    def has_staged(self, seq: Sequence) -> bool:
+        """Whether blocks read from disk are held for ``seq`` (it waits to be admitted)."""
+        return seq.seq_id in self.groups[0].staged
+
+    @property
+    def loads_in_flight(self) -> bool:
+        """Whether reads from disk were asked for and their step has not reported yet."""
+        return any(g.loading for g in self.groups)
+
+    def start_disk_load(self, seq: Sequence, hit: KVCacheBlocks, reserve: int) -> int:
+        """Ask for the blocks after ``hit`` that every group has on disk (not in memory) to be read into
+        fresh blocks, leaving ``reserve`` free in each group; returns how many (0: none, or no room).
+
+        ``seq`` waits: the blocks read join the prefix cache when the step reports
+        (``finish_disk_loads``), held for it, and its next admission finds them as a prefix hit."""
+        if self.disk is None or self.has_staged(seq):
+            return 0
+        start = hit.num_blocks
+        limit = (seq.num_tokens - 1) // self.block_size
+        count = 0
+        for i in range(start, limit):
+            if not all(g.on_disk(seq, i) for g in self.groups):
+                break
+            count += 1
+        if not count or any(count + g.num_revived(blocks) + reserve > g.num_free_blocks
+                            for g, blocks in zip(self.groups, hit.blocks)):
+            return 0
+        for group, blocks in zip(self.groups, hit.blocks):
+            group.stage_loads(seq, list(blocks), count)
+        return count
+
+    def finish_disk_loads(self, failures: list[tuple[int, int]] | None) -> int:
+        """Apply the runner's report of the reads asked for (``failures``: (group, block id) of those that
+        failed; None: the step never reported, so every read counts as failed); returns blocks read (every
+        group's)."""
+        if self.disk is None or not self.loads_in_flight:
+            return 0
+        failed: list[set[int] | None] = [None] * len(self.groups)
+        if failures is not None:
+            failed = [set() for _ in self.groups]
+            for group, block_id in failures:
+                s = failed[group]
+                assert s is not None
+                s.add(block_id)
+        read = [g.finish_loads(f) for g, f in zip(self.groups, failed)]
+        self.disk.hit_blocks += read[0]
+        return sum(read)
+
+    def release_staged(self, keep: Sequence | None = None) -> int:
+        """Drop the holds on blocks read from disk for waiting sequences other than ``keep`` (so that
+        the head of the queue can use their blocks); returns the blocks released."""
+        ids = {i for g in self.groups for i in g.staged} - ({keep.seq_id} if keep is not None else set())
+        return sum(g.release_staged(i) for g in self.groups for i in ids)
+
+    def take_disk_moves(self) -> list[DiskMoves]:
+        """Each group's saves to, reads from and deletes in the disk tier since the last call ([] without one)."""
+        if self.disk is None:
+            return []
+        moves = [g.take_disk_moves() for g in self.groups]
+        for group, h in self.disk.take_deletes():
+            moves[group].deletes.append(h)
+        return moves
 
     # ------------------------------------------------------------ allocation
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached: KVCacheBlocks | None = None) -> bool:
@@ -192,6 +274,7 @@ class KVCacheManager:
             plans.append(plan)
         for group, blocks, plan in zip(self.groups, hits, plans):
             group.commit_slots(seq, list(blocks), plan)
+            group.release_staged(seq.seq_id)  # (its table holds what it reads of them now)
         if cached:
             seq.num_computed_tokens = plans[0].computed
         return True

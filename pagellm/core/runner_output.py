@@ -28,3 +28,6 @@ class ModelRunnerOutput:
     # seq_id -> why its output can no longer satisfy its constraint (its grammar dead-ended this step):
     # the scheduler ends it with finish_reason "error".
     constraint_errors: dict[int, str] = field(default_factory=dict)
+    # (group, block id) of each read from the KV tier on disk (``DiskMoves.loads``) that failed (a file
+    # gone, torn or unreadable): the scheduler forgets the block and recomputes it.
+    disk_load_failures: list[tuple[int, int]] = field(default_factory=list)

@@ -28,6 +28,23 @@ OUT_OF_WINDOW_ID = 0
 
 
 @dataclass
+class DiskMoves:
+    """One KV cache group's traffic with the KV tier on disk in a step (core/disk_index.py), by block hash."""
+
+    # (block id, block hash): a cached block about to be reused; the worker copies it out before any
+    # other move or the forward pass writes it, and a background thread writes its file.
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    # (block hash, block id): read the block's file into the block, after the other moves and before
+    # the forward pass (a failed read is reported back, ``ModelRunnerOutput.disk_load_failures``).
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    # Block hashes whose files the tier evicts (deleted in order with the writes).
+    deletes: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads or self.deletes)
+
+
+@dataclass
 class TableEdit:
     """How one block table changed since the runner last saw it: entries ``[dead_from, dead_to)`` became
     the out-of-window stand-in, then the table was cut to its first ``keep`` entries and ``block_ids``
@@ -115,6 +132,8 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # Each KV cache group's block moves, run before the forward pass (in its own pools' block ids).
     block_moves: list[BlockMoves] = field(default_factory=list)
+    # Each KV cache group's saves to, loads from and deletes in the KV tier on disk (empty without one).
+    disk_moves: list[DiskMoves] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -123,7 +142,7 @@ class SchedulerOutput:
 
     @property
     def moves_blocks(self) -> bool:
-        return any(any(moves) for moves in self.block_moves)
+        return any(any(moves) for moves in self.block_moves) or any(self.disk_moves)
 
     @property
     def swaps_in(self) -> bool:

@@ -148,6 +148,8 @@ class Scheduler:
             self.seqs_by_id.pop(seq_id, None)
         budget = cfg.max_num_batched_tokens
         chunk_cap = cfg.prefill_chunk_size or budget
+        if self.kv_cache_manager.loads_in_flight:  # the step that read them raised: recompute instead
+            self.kv_cache_manager.finish_disk_loads(None)
 
         # 1. Make room for an urgent waiting request by preempting less urgent running ones.
         if self.policy.preempts_for_urgent and self.waiting and not self._swapped_first():
@@ -196,6 +198,7 @@ class Scheduler:
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         out.block_moves = self.kv_cache_manager.take_block_moves()
+        out.disk_moves = self.kv_cache_manager.take_disk_moves()
         self.stats.num_steps += 1
         return out
 
@@ -234,12 +237,20 @@ class Scheduler:
             if taken + seats > cfg.max_num_seqs:
                 break
             hits = self._prefix_hit(seq)
+            if self._read_from_disk(seq, hits):
+                break  # admitted once its blocks are read, next step
             hit_tokens = hits.num_blocks * self.kv_cache_manager.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - hit_tokens
             if num_new > budget and not cfg.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget, chunk_cap)
             if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
+                # Blocks read from disk for sequences behind it must not keep it waiting; nor its own, when
+                # nothing running will free blocks (it reads them again later).
+                if self.kv_cache_manager.release_staged(keep=seq):
+                    continue
+                if not self.running and self.kv_cache_manager.release_staged():
+                    continue
                 break
             self.waiting.pop(0)
             if not seq.was_admitted:
@@ -295,11 +306,24 @@ class Scheduler:
     def _prefix_hit(self, seq: Sequence) -> KVCacheBlocks:
         """``seq``'s prefix-cache hit, in every KV cache group (none where it must compute every token)."""
         # Prompt logprobs need every prompt position computed: no skipping them via the cache.
-        request = seq.request
-        # (Positions [0, num_prompt_tokens - 1) score a token; a one-token prompt has none to skip.)
-        if request.wants_prompt_logprobs and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1):
+        if self._prefix_hit_barred(seq):
             return self.kv_cache_manager.no_hit
         return self.kv_cache_manager.find_cached_prefix(seq)
+
+    @staticmethod
+    def _prefix_hit_barred(seq: Sequence) -> bool:
+        """Whether ``seq`` must compute every prompt token (it asks for their logprobs)."""
+        request = seq.request
+        # (Positions [0, num_prompt_tokens - 1) score a token; a one-token prompt has none to skip.)
+        return request.wants_prompt_logprobs and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1)
+
+    def _read_from_disk(self, seq: Sequence, hits: KVCacheBlocks) -> bool:
+        """Whether blocks of ``seq``'s prompt past its prefix hit are read from the disk tier this step (like
+        a swap-in, a step ahead of its admission)."""
+        kv = self.kv_cache_manager
+        if kv.disk is None or seq.num_computed_tokens or self._prefix_hit_barred(seq):
+            return False
+        return kv.start_disk_load(seq, hits, self._decode_reserve()) > 0
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""
@@ -347,6 +371,7 @@ class Scheduler:
 
         Returns the sequences that got a new token (finished ones included).
         """
+        self.kv_cache_manager.finish_disk_loads(result.disk_load_failures)
         touched: list[Sequence] = []
         now = None
         seqs = self.seqs_by_id

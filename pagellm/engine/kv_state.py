@@ -116,6 +116,15 @@ def kv_state(manager: KVCacheManager, scheduler: Scheduler) -> dict[str, Any]:
         "groups": [{"sliding_window": g.sliding_window, "num_blocks": g.pool.num_blocks,
                     "used_blocks": g.pool.num_used_blocks, "cached_blocks": g.pool.num_cached_free_blocks}
                    for g in manager.groups],
+        # The KV tier on disk (--kv-offload-dir), None without one: its files as this process sees them.
+        "disk": None if manager.disk is None else {
+            "num_blocks": len(manager.disk),
+            "bytes": manager.disk.total_bytes,
+            "capacity_bytes": manager.disk.capacity_bytes,
+            "hit_blocks": manager.disk.hit_blocks,
+            "evictions": manager.disk.evicted_files,
+            "failed_reads": manager.disk.failed_reads,
+        },
         "requests": request_rows(manager, scheduler),
         "stats": {
             "kv_usage": manager.usage,

@@ -23,6 +23,7 @@ from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
 from pagellm.engine import startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
+from pagellm.engine.kv_offload import open_disk_tier, save_cached_blocks
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.phases import log_ready, phase
 from pagellm.model import loader
@@ -78,6 +79,13 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # The KV tier on disk (--kv-offload-dir), cumulative: blocks read back, bytes read and written, files
+    # evicted past its size, reads that failed (the block recomputed).
+    kv_offload_hit_blocks: int = 0
+    kv_offload_read_bytes: int = 0
+    kv_offload_written_bytes: int = 0
+    kv_offload_evictions: int = 0
+    kv_offload_failed_reads: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -210,6 +218,10 @@ class LLMEngine:
                 structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
                 speculative=self.speculative is not None,
             )
+        if args.kv_offload_dir is not None:
+            with phase("opening the KV tier on disk"):
+                self.model_runner.disk_store = open_disk_tier(args, files, config, self.dtype,
+                                                              self.kv_cache_manager, self.cache_engine)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
                                               self.eos_token_ids, structured_output=self.structured_output,
                                               max_logprobs=args.max_logprobs)
@@ -314,7 +326,16 @@ class LLMEngine:
             spec_decode_num_drafts=scheduler.stats.num_spec_drafts,
             spec_decode_num_draft_tokens=scheduler.stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=scheduler.stats.num_accepted_tokens,
+            **self._disk_tier_stats(),
         )
+
+    def _disk_tier_stats(self) -> dict[str, int]:
+        index, store = self.kv_cache_manager.disk, self.model_runner.disk_store
+        if index is None or store is None:
+            return {}
+        return {"kv_offload_hit_blocks": index.hit_blocks, "kv_offload_read_bytes": store.bytes_read,
+                "kv_offload_written_bytes": store.bytes_written, "kv_offload_evictions": index.evicted_files,
+                "kv_offload_failed_reads": index.failed_reads}
 
     # ----------------------------------------------------------- prefix cache
     def kv_cache_stats(self) -> KVCacheStats:
@@ -355,6 +376,8 @@ class LLMEngine:
                 f"one sequence of max_model_len={self.max_model_len} ({needed} blocks); preload fewer prompts or "
                 "raise --kv-cache-memory / --num-kv-blocks"
             )
+        if manager.save_pinned():
+            self.step()  # (a step of block moves only: the pinned blocks are written to the disk tier)
         logger.info("preloaded %s: %s pinned", plural(len(requests), "prompt"), plural(pinned, "KV block"))
         return pinned
 
@@ -380,8 +403,8 @@ class LLMEngine:
             if scheduler_output.finished_seq_ids:  # the runner (every rank's) drops their state
                 self.execute_model(scheduler_output)
             return []
-        if not scheduler_output.scheduled:  # only block moves this step (a swap-in issued ahead)
-            self.execute_model(scheduler_output)
+        if not scheduler_output.scheduled:  # only block moves this step (a swap-in or a disk read issued ahead)
+            self.scheduler.update(scheduler_output, self.execute_model(scheduler_output))
             return []
         result = self._execute(scheduler_output)
         self.output_processor.add_prompt_logprobs(result, self.scheduler.seqs_by_id)
@@ -405,6 +428,14 @@ class LLMEngine:
             self.structured_output.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and runner.disk_store is not None:
+            try:
+                save_cached_blocks(self.kv_cache_manager, runner.disk_store)
+            except Exception as e:  # (stopping goes on: those blocks are recomputed next time)
+                logger.warning("KV tier on disk: could not write the cached blocks: %s: %s", type(e).__name__, e)
+            runner.disk_store.close()  # (the writes queued finish first)
+            runner.disk_store = None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not self.step_observers:

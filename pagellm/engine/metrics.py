@@ -110,6 +110,22 @@ class EngineMetrics:
         self.req_n = count_hist("request_params_n", "n of each finished request", VLLM_N_BUCKETS)
         self.iteration_tokens = count_hist("iteration_tokens_total", "Tokens (prompt and generated) per engine step",
                                            VLLM_ITERATION_TOKEN_BUCKETS)
+        # The KV tier on disk (--kv-offload-dir): only where one is configured.
+        self.disk_tier: dict[str, Family] = {}
+        if engine.kv_cache_manager.disk is not None:
+            self.disk_tier = {
+                "kv_offload_hit_blocks": f.counter("pagellm_kv_offload_hit_blocks",
+                                                   "KV blocks of prompts read back from the KV tier on disk"),
+                "kv_offload_read_bytes": f.counter("pagellm_kv_offload_read_bytes",
+                                                   "Bytes of KV blocks read from the KV tier on disk"),
+                "kv_offload_written_bytes": f.counter("pagellm_kv_offload_written_bytes",
+                                                      "Bytes of KV block files written to the KV tier on disk"),
+                "kv_offload_evictions": f.counter("pagellm_kv_offload_evictions",
+                                                  "KV block files the tier on disk deleted to stay within its size"),
+                "kv_offload_failed_reads": f.counter("pagellm_kv_offload_failed_reads",
+                                                     "Reads from the KV tier on disk that failed (a file gone, torn "
+                                                     "or unreadable): the blocks were recomputed"),
+            }
         if f.vllm:
             self._cache_config_info(engine)
         self.model_name = model_name
@@ -118,7 +134,7 @@ class EngineMetrics:
                        self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.prefill_time, self.decode_time, self.inference_time, self.tpot,
                        self.req_prompt_tokens, self.req_generation_tokens, self.req_max_generation,
-                       self.req_max_tokens, self.req_n, self.iteration_tokens):
+                       self.req_max_tokens, self.req_n, self.iteration_tokens, *self.disk_tier.values()):
             metric.labels()
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(finished_reason=reason)
@@ -133,7 +149,7 @@ class EngineMetrics:
                              "num_preemptions": self.preemptions, "prefix_cache_queries": self.pc_queries,
                              "prefix_cache_hits": self.pc_hits, "spec_decode_num_drafts": self.spec_drafts,
                              "spec_decode_num_draft_tokens": self.spec_draft_tokens,
-                             "spec_decode_num_accepted_tokens": self.spec_accepted}
+                             "spec_decode_num_accepted_tokens": self.spec_accepted, **self.disk_tier}
         stats = engine.get_stats()
         self._counted = {field: getattr(stats, field) for field in self._from_totals}
         self._never_scheduled = 0

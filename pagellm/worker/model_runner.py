@@ -30,6 +30,7 @@ from pagellm.model.llama import Attention
 from pagellm.model.quant_linear import step_prompt_rows
 from pagellm.structured_output import GrammarMask, StructuredOutputManager
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.kv_disk_store import KVDiskStore
 from pagellm.worker.request_state import RequestStates, SeqState
 from pagellm.worker.sampler import Sampler, top_logprobs
 
@@ -119,6 +120,8 @@ class ModelRunner:
             sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
         self.cascade = self.attn_backend.cascade and not speculative
         self.requests = RequestStates()
+        # The KV tier on disk (engine/kv_offload.py), where one is configured.
+        self.disk_store: KVDiskStore | None = None
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
         if v_cache.element_size() == 1:  # --kv-cache-dtype fp8: each layer scales what it stores
@@ -131,15 +134,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.take_in(scheduler_output)
-        self.move_blocks(scheduler_output)
+        disk_failures = self.move_blocks(scheduler_output)
         if not scheduler_output.scheduled:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(disk_load_failures=disk_failures)
         batch = self.prepare(scheduler_output.scheduled)
         # Constrained sequences' token masks are filled on another thread while the model runs.
         so = self.structured_output
         pending = so.start_mask(batch.sampling.seqs) if so is not None else None
         logits = self.run_model(batch)
-        return self.sample(batch.sampling, logits, pending.result() if pending is not None else None)
+        result = self.sample(batch.sampling, logits, pending.result() if pending is not None else None)
+        result.disk_load_failures = disk_failures
+        return result
 
     @torch.inference_mode()
     def forward_only(self, scheduler_output: SchedulerOutput) -> None:
@@ -161,12 +166,20 @@ class ModelRunner:
             if self.structured_output is not None:
                 self.structured_output.forget(finished)
 
-    def move_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        # Order matters: a block swapped out this step may be reused by a swap-in or a copy.
+    def move_blocks(self, scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
+        """The step's block moves; returns (group, block id) of the reads from disk that failed."""
+        # Order matters: a cached block evicted this step is saved to disk before anything writes it; a
+        # block swapped out this step may be reused by a swap-in or a copy; reads from disk go last.
+        disk_moves, store = scheduler_output.disk_moves, self.disk_store
+        if disk_moves and store is not None:
+            store.apply(disk_moves, "before")
         for group, (out, into, copies) in enumerate(scheduler_output.block_moves):
             self.cache_engine.swap_out(out, group)
             self.cache_engine.swap_in(into, group)
             self.cache_engine.copy_blocks(copies, group)
+        if disk_moves and store is not None:
+            return store.apply(disk_moves, "after")
+        return [(g, block_id) for g, moves in enumerate(disk_moves) for _, block_id in moves.loads]  # (no store)
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:

@@ -178,3 +178,20 @@ def test_samples_beams_and_pinned_prefixes_share_blocks_in_every_group(gemma_pat
     assert llm.llm_engine.unpin_prefixes() == pinned and not any(g.pinned for g in manager.groups)
     assert_all_blocks_free(llm)
     assert llm.reset_prefix_cache() and not any(g.pool.cached_blocks for g in manager.groups)
+
+
+def test_a_disk_tier_serves_both_groups_to_a_new_engine(gemma_path, expected, tmp_path):
+    # One engine computes the prompts and a small pool evicts them to disk; a new engine on the same
+    # folder reads each group's blocks back and ends with the same tokens.
+    kw = dict(max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=2 * cdiv(MAX_MODEL_LEN, 4), max_num_seqs=1,
+              swap_space=0, kv_offload_dir=str(tmp_path / "tier"))
+    first = LLM(str(gemma_path), **kw)
+    assert generate(first, PROMPTS) == expected
+    generate(first, random_prompts([140, 140], vocab=500, seed=2), max_tokens=1)  # evicts the prompts' blocks
+    first.llm_engine.shutdown()
+    second = LLM(str(gemma_path), **kw)
+    manager = second.llm_engine.kv_cache_manager
+    assert generate(second, PROMPTS) == expected
+    assert manager.disk is not None and manager.disk.hit_blocks > 0
+    assert_all_blocks_free(second)
+    second.llm_engine.shutdown()

@@ -96,3 +96,20 @@ def test_disable_dashboard_flag():
     parser = build_parser()
     assert parser.parse_args(["serve"]).disable_dashboard is False
     assert parser.parse_args(["serve", "--disable-dashboard"]).disable_dashboard is True
+
+
+def test_the_disk_tier_is_in_the_state_the_page_and_metrics(llama_path, tmp_path):
+    tiered = LLMEngine(EngineArgs(model=str(llama_path), max_model_len=40, num_kv_blocks=10, block_size=4,
+                                  max_num_seqs=1, device="cpu", kv_offload_dir=str(tmp_path / "tier")))
+    with TestClient(build_app(tiered, MODEL)) as http:
+        assert 'id="disk-info"' in http.get("/dashboard").text
+        doc_a, doc_b = list(range(10, 40)), list(range(100, 130))  # 7 full blocks each; the pool holds 10
+        for prompt in (doc_a, doc_b, doc_a):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200
+        disk = http.get("/v1/kv_cache/state").json()["disk"]
+        metrics = http.get("/metrics").text
+    tiered.shutdown()
+    assert disk["num_blocks"] > 0 and disk["capacity_bytes"] == 64 * 2**30 and disk["hit_blocks"] > 0
+    assert f'pagellm_kv_offload_hit_blocks_total{{model_name="{MODEL}"}} {float(disk["hit_blocks"])}' in metrics
+    assert "pagellm_kv_offload_written_bytes_total" in metrics

@@ -175,6 +175,22 @@
       : "no swap pool (--swap-space 0)";
   }
 
+  function updateDisk(disk) {
+    const bar = $("disk-bar");
+    if (!disk) {
+      bar.hidden = true;
+      $("disk-info").textContent = "none (--kv-offload-dir)";
+      return;
+    }
+    const mib = (n) => (n / 2 ** 20).toFixed(1) + " MiB";
+    bar.hidden = false;
+    bar.max = disk.capacity_bytes;
+    bar.value = disk.bytes;
+    $("disk-info").textContent =
+      `${disk.num_blocks} blocks on disk, ${mib(disk.bytes)} of ${mib(disk.capacity_bytes)} · ` +
+      `${disk.hit_blocks} read back · ${disk.evictions} evicted · ${disk.failed_reads} failed reads`;
+  }
+
   function pct(x) {
     return x === null || x === undefined ? "–" : (100 * x).toFixed(x < 0.1 && x > 0 ? 1 : 0) + "%";
   }
@@ -326,6 +342,7 @@
     const pool = state.pool;
     updateGrid(pool);
     updateSwap(state.swap);
+    updateDisk(state.disk);
     const counts = { ...pool.counts, swapped: state.swap.blocks.length };
     for (const [name, count] of Object.entries(counts)) {
       const el = document.querySelector(`[data-count="${name}"]`);
