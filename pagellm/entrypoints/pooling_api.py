@@ -58,7 +58,10 @@ class PoolingAPI:
 
     llm_engine: Any
 
-    def _pooling_engine(self, method: str) -> PoolingEngine:
+    def _pooling_engine(self, method: str, pooling_params: Any = None) -> PoolingEngine:
+        if pooling_params is not None:
+            raise ValueError(f"LLM.{method}: pooling_params is not supported yet; the folder's sentence-transformers "
+                             "configuration decides pooling and normalisation (leave pooling_params unset)")
         engine = self.llm_engine
         if not isinstance(engine, PoolingEngine):
             raise ValueError(f"LLM.{method} needs a pooling model: this one generates text. Load an encoder "
@@ -96,7 +99,7 @@ class PoolingAPI:
                ) -> list[PoolingRequestOutput]:
         """Each input's pooled output: its embedding (``pooling_task`` embed, the default of an embedding
         model) or its classifier's output (classify, the default of a cross-encoder)."""
-        engine = self._pooling_engine("encode")
+        engine = self._pooling_engine("encode", pooling_params)
         task = pooling_task or ("embed" if engine.task == "embed" else "classify")
         return self._pool(engine, _as_inputs(prompts), task, truncate_prompt_tokens, use_tqdm)
 
@@ -105,7 +108,7 @@ class PoolingAPI:
               ) -> list[EmbeddingRequestOutput]:
         """One embedding per input (``outputs.embedding``), pooled and normalised as the model's
         sentence-transformers configuration says."""
-        engine = self._pooling_engine("embed")
+        engine = self._pooling_engine("embed", pooling_params)
         outs = self._pool(engine, _as_inputs(prompts), "embed", truncate_prompt_tokens, use_tqdm)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
@@ -113,7 +116,7 @@ class PoolingAPI:
                  use_tqdm: bool | Callable[..., Any] = True, pooling_params: Any = None,
                  ) -> list[ClassificationRequestOutput]:
         """Each input's class probabilities (``outputs.probs``: softmax, or sigmoid for one label)."""
-        engine = self._pooling_engine("classify")
+        engine = self._pooling_engine("classify", pooling_params)
         outs = self._pool(engine, _as_inputs(prompts), "classify", truncate_prompt_tokens, use_tqdm)
         return [ClassificationRequestOutput.from_base(o) for o in outs]
 
@@ -122,7 +125,7 @@ class PoolingAPI:
               ) -> list[ScoringRequestOutput]:
         """Each (query, document) pair's score: a cross-encoder's output on the pair (as sentence-transformers'
         CrossEncoder.predict), or an embedding model's cosine similarity of the two embeddings."""
-        engine = self._pooling_engine("score")
+        engine = self._pooling_engine("score", pooling_params)
         pairs = _score_pairs(data_1, data_2)
         if engine.task == "classify":
             for q, d in pairs:

@@ -40,6 +40,19 @@ def _activate(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+def length_groups(lengths: Sequence[int], slack: float = 1.25, min_pad: int = 8) -> list[list[int]]:
+    """The inputs' indices grouped by length, shortest first: a group's longest input is at most ``slack``
+    times its shortest plus ``min_pad`` tokens, so padding wastes little of a forward pass."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] <= lengths[groups[-1][0]] * slack + min_pad:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class PoolingRunner:
     def __init__(self, model: BertModel, pooling: PoolingConfig, device: torch.device, pad_token_id: int = 0) -> None:
         self.model = model
@@ -62,11 +75,19 @@ class PoolingRunner:
             mask[row, :n] = 1
         return ids.to(self.device), types.to(self.device), mask.to(self.device)
 
-    @torch.inference_mode()
     def run(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
-        """One forward pass over ``batch``; per input, its ``task``'s output."""
+        """Per input of ``batch``, its ``task``'s output: inputs of like lengths padded together (sorted by
+        length, as sentence-transformers sorts its batches), one forward pass per group."""
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
+        rows: list[list[float]] = [[] for _ in batch]
+        for group in length_groups([item.num_tokens for item in batch]):
+            for i, row in zip(group, self._run([batch[i] for i in group], task)):
+                rows[i] = row
+        return rows
+
+    @torch.inference_mode()
+    def _run(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
         ids, types, mask = self.tensors(batch)
         hidden = self.model(ids, types, mask)
         if task == "embed":

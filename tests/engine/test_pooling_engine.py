@@ -92,3 +92,20 @@ def test_token_id_inputs_and_bi_encoder_scores(bert: Path) -> None:
     assert same.outputs.score == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
         llm.embed([[10**6]], use_tqdm=False)
+
+
+def test_inputs_of_like_lengths_are_padded_together() -> None:
+    from pagellm.worker.pooling_runner import length_groups
+
+    groups = length_groups([100, 3, 5, 120, 40, 4])
+    assert groups == [[1, 5, 2], [4], [0, 3]]
+    assert sorted(i for g in groups for i in g) == list(range(6))
+
+
+def test_mixed_lengths_in_one_step_keep_their_order(bert: Path) -> None:
+    llm = LLM(str(bert), runner="pooling")
+    texts = ["paged attention " * 12, "hi", "the quick brown fox jumps", "a"]
+    together = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+    alone = [llm.embed(t, use_tqdm=False)[0].outputs.embedding for t in texts]
+    for a, b in zip(together, alone):
+        assert a == pytest.approx(b, abs=1e-5)

@@ -129,3 +129,12 @@ def test_minilm_retrieval_finds_each_paraphrase_source(minilm: Path) -> None:
     queries = np.array([o.outputs.embedding for o in llm.embed([p for _, p in SOURCES], use_tqdm=False)])
     nearest = (queries @ sources.T).argmax(axis=1)
     assert nearest.tolist() == list(range(len(SOURCES)))
+
+
+def test_minilm_in_bfloat16_stays_close(minilm: Path) -> None:
+    llm = LLM(str(minilm), runner="pooling", dtype="bfloat16")
+    ours = np.array([o.outputs.embedding for o in llm.embed(TEXTS, truncate_prompt_tokens=-1, use_tqdm=False)])
+    ref = st.SentenceTransformer(str(minilm), device="cpu").encode(TEXTS)
+    cos = cosines(ours, ref)
+    print("all-MiniLM-L6-v2 bfloat16 cosine per text:", [f"{c:.6f}" for c in cos])
+    assert cos.min() >= 0.999, cos
