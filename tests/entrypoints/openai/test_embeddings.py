@@ -134,3 +134,19 @@ def test_rerank_and_score_equal_offline_score(reranker) -> None:
         assert ("document" in res[0]) == (path != "/v2/rerank")
     r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 200  # a cross-encoder embeds too (its encoder's pooled output)
+
+
+def test_concurrent_requests_each_get_their_own_embeddings(server: RemoteServer, offline: np.ndarray) -> None:
+    import asyncio
+
+    async def main() -> list[list[list[float]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            async def one(i: int) -> list[list[float]]:
+                texts = [TEXTS[i % 4], TEXTS[(i + 1) % 4]]
+                r = await http.post("/v1/embeddings", json={"input": texts})
+                assert r.status_code == 200, r.text
+                return [d["embedding"] for d in r.json()["data"]]
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    for i, got in enumerate(asyncio.run(main())):
+        np.testing.assert_allclose(got, offline[[i % 4, (i + 1) % 4]], atol=1e-6)
