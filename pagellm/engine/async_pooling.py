@@ -41,6 +41,8 @@ class AsyncPoolingEngine:
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")
         self.fatal_error: BaseException | None = None
         self.fatal_callbacks: list[Callable[[BaseException], None]] = []
+        # Called on the step thread after each step with its batch's inputs and tokens.
+        self.step_callbacks: list[Callable[[int, int], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -125,10 +127,14 @@ class AsyncPoolingEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for rid, result in self.engine.step():
+                results = self.engine.step()
+                for rid, result in results:
                     entry = self._futures.pop(rid, None)
                     if entry is not None:
                         entry[1].call_soon_threadsafe(_resolve, entry[0], result)
+                tokens = sum(len(r.prompt_token_ids) for _, r in results if isinstance(r, PoolingRequestOutput))
+                for callback in self.step_callbacks:
+                    callback(len(results), tokens)
         except BaseException as e:  # the engine itself broke: fail everything, stop the server
             logger.exception("the pooling engine failed")
             self.fatal_error = e

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +29,7 @@ from pagellm.config import EngineArgs
 from pagellm.engine.async_pooling import AsyncPoolingEngine, EngineUnavailable
 from pagellm.engine.phases import log_ready
 from pagellm.engine.pooling_engine import InputTooLongError, PoolingEngine, PoolingPrompt
+from pagellm.engine.pooling_metrics import PoolingMetrics
 from pagellm.engine.runner_choice import pooling_task
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
@@ -87,6 +88,8 @@ class ServingPooling:
     def __init__(self, engine: AsyncPoolingEngine, model_names: Sequence[str]) -> None:
         self.engine = engine
         self.model_names = tuple(model_names)
+        self.metrics = PoolingMetrics(self.model_names[0])
+        engine.step_callbacks.append(self.metrics.on_step)
         self.matryoshka = _matryoshka(engine.engine.model_config)
 
     @property
@@ -221,8 +224,21 @@ class ServingPooling:
 def add_pooling_routes(app: FastAPI, serving: ServingPooling, parse_body: ParseBody) -> None:
     """The pooling routes on ``app``; ``parse_body``: the server's body parser (vLLM's tolerance)."""
     def route(path: str, model: type[BaseModel], handler: Callable[[Any], Awaitable[dict[str, Any]]]) -> None:
+        kind = handler.__name__.removesuffix("s")  # embedding, score, rerank, classify, pooling
+
         async def endpoint(request: Request) -> dict[str, Any]:
-            return await handler(await parse_body(request, model))
+            body = await parse_body(request, model)
+            start = time.monotonic()
+            try:
+                answer = await handler(body)
+            except BaseException:
+                serving.metrics.on_request(kind, False, time.monotonic() - start, 0, 0)
+                raise
+            usage = answer.get("usage", {})
+            serving.metrics.on_request(kind, True, time.monotonic() - start,
+                                       len(answer.get("data", answer.get("results", []))),
+                                       int(usage.get("prompt_tokens", usage.get("total_tokens", 0))))
+            return answer
         app.add_api_route(path, endpoint, methods=["POST"], name=path)
 
     route("/v1/embeddings", EmbeddingRequest, serving.embeddings)
@@ -296,6 +312,10 @@ def build_pooling_app(engine: PoolingEngine, model_names: Sequence[str], parse_b
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card(n) for n in serving.model_names]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> Response:
+        return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_pooling_routes(app, serving, parse_body)
     add_guards(app)

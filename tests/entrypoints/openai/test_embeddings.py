@@ -150,3 +150,13 @@ def test_concurrent_requests_each_get_their_own_embeddings(server: RemoteServer,
 
     for i, got in enumerate(asyncio.run(main())):
         np.testing.assert_allclose(got, offline[[i % 4, (i + 1) % 4]], atol=1e-6)
+
+
+def test_metrics_count_pooling_requests(server: RemoteServer) -> None:
+    before = server.metric("pagellm_prompt_tokens_total")
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": ["Hello world", "Paris"]})
+    tokens = r.json()["usage"]["prompt_tokens"]
+    assert server.metric("pagellm_prompt_tokens_total") == before + tokens
+    assert server.metric("pagellm_pooling_requests_total", 'kind="embedding"') >= 1
+    assert server.metric("vllm:prompt_tokens_total") == before + tokens
+    assert server.metric("pagellm_pooling_batch_tokens_count") >= 1
