@@ -133,13 +133,13 @@ class AsyncPoolingEngine:
                     if entry is not None:
                         entry[1].call_soon_threadsafe(_resolve, entry[0], result)
                 tokens = sum(len(r.prompt_token_ids) for _, r in results if isinstance(r, PoolingRequestOutput))
-                for callback in self.step_callbacks:
-                    callback(len(results), tokens)
+                for on_step in self.step_callbacks:
+                    on_step(len(results), tokens)
         except BaseException as e:  # the engine itself broke: fail everything, stop the server
             logger.exception("the pooling engine failed")
             self.fatal_error = e
-            for callback in self.fatal_callbacks:
-                callback(e)
+            for on_fatal in self.fatal_callbacks:
+                on_fatal(e)
         finally:
             self._take_inbox()
             for fut, loop in self._futures.values():
