@@ -36,7 +36,6 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metrics import EngineMetrics
 from pagellm.engine.phases import log_ready
-from pagellm.engine.runner_choice import pooling_task
 from pagellm.engine.stats_logger import StatsLogger
 from pagellm.entrypoints.openai.anthropic_protocol import (
     CountTokensRequest,
@@ -59,7 +58,7 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
 from pagellm.entrypoints.openai.serving_messages import add_messages_routes
-from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, run_pooling_server
+from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
@@ -450,12 +449,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
         from pagellm.engine.tp_worker import run_worker_node
 
         return run_worker_node(engine_args)
-    keys = [args.api_key] if isinstance(args.api_key, str) else list(args.api_key or ())
     if pooling_task(engine_args) is not None:  # an encoder: the pooling server (serving_pooling.py)
-        return run_pooling_server(args, engine_args, sock, lambda r, m: parse_body(r, m, args.strict_requests),
-                                  lambda app: app.add_middleware(GuardMiddleware, api_keys=keys,
-                                                                 max_body_bytes=max_body,
-                                                                 body_read_timeout=args.body_read_timeout))
+        return run_pooling_server(args, engine_args, sock, parse_body, GuardMiddleware, max_body)
     engine = LLMEngine(engine_args)
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)

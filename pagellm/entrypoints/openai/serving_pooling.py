@@ -323,8 +323,9 @@ def build_pooling_app(engine: PoolingEngine, model_names: Sequence[str], parse_b
 
 
 def run_pooling_server(args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket,
-                       parse_body: ParseBody, add_guards: Callable[[FastAPI], None]) -> int:
-    """``pagellm serve`` for a pooling model (``run_server`` calls it once the flags are checked)."""
+                       parse_body: Callable[..., Awaitable[Any]], guard: Any, max_body: int) -> int:
+    """``pagellm serve`` for a pooling model (``run_server`` calls it once the flags are checked);
+    ``parse_body``, ``guard`` (the middleware: API keys, body limits) and ``max_body``: the server's."""
     import uvicorn
 
     from pagellm.entrypoints.openai.shutdown import EngineServer
@@ -332,7 +333,15 @@ def run_pooling_server(args: argparse.Namespace, engine_args: EngineArgs, sock: 
     task = pooling_task(engine_args)
     engine = PoolingEngine(engine_args, task or "embed")
     names = engine_args.served_model_names or [args.model]
-    app = build_pooling_app(engine, names, parse_body, add_guards, args.max_waiting_requests, args.root_path or "")
+    keys = [args.api_key] if isinstance(args.api_key, str) else list(args.api_key or ())
+
+    def add_guards(app: FastAPI) -> None:
+        app.add_middleware(guard, api_keys=keys, max_body_bytes=max_body, body_read_timeout=args.body_read_timeout)
+
+    def parse(request: Request, model: type[M]) -> Awaitable[M]:
+        return parse_body(request, model, args.strict_requests)
+
+    app = build_pooling_app(engine, names, parse, add_guards, args.max_waiting_requests, args.root_path or "")
     if args.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                            allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
