@@ -18,12 +18,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine, PromptType
+    from pagellm.outputs import Logprob
 
 # SamplingParams caps logprobs at 20: 2 * beam_width candidates per beam.
 MAX_BEAM_WIDTH = 10
@@ -75,74 +76,99 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
     return beam.cum_logprob / (gen_len**length_penalty)
 
 
-def beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    width = params.beam_width
-    step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
-                                 detokenize=False)
-    eos = set() if params.ignore_eos else engine.eos_token_ids
-    ids = itertools.count()
-    live: list[list[BeamSearchSequence]] = []
-    done: list[list[BeamSearchSequence]] = []
-    for prompt in prompts:
-        _, tokens = engine.tokenize_prompt(prompt)
-        engine.check_prompt_length(len(tokens))
-        live.append([BeamSearchSequence(list(tokens), len(tokens))])
-        done.append([])
-    for _ in range(params.max_tokens):
-        for p, beams in enumerate(live):  # a beam that fills max_model_len is finished (by length)
-            full = [b for b in beams if len(b.tokens) >= engine.max_model_len]
+class BeamSearch:
+    """The search over some prompts, one step at a time, apart from how each step's requests run:
+    ``beam_search`` runs them on an ``LLMEngine``, the server on its async engine (the same requests,
+    hence the same beams)."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: set[int],
+                 max_model_len: int) -> None:
+        self.params = params
+        self.width = params.beam_width
+        # Each step's request of one beam: its next token with the top 2 * beam_width logprobs.
+        self.step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * self.width, ignore_eos=True,
+                                          detokenize=False)
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(t), len(t))] for t in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def next_jobs(self) -> list[tuple[int, BeamSearchSequence]]:
+        """(prompt index, beam) of every beam to extend this step; empty when the search is over."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        self.steps += 1
+        for p, beams in enumerate(self.live):  # a beam that fills max_model_len is finished (by length)
+            full = [b for b in beams if len(b.tokens) >= self.max_model_len]
             if full:
-                done[p].extend(full)
-                live[p] = [b for b in beams if len(b.tokens) < engine.max_model_len]
-        jobs = [(p, beam) for p, beams in enumerate(live) for beam in beams]
-        if not jobs:
-            break
+                self.done[p].extend(full)
+                self.live[p] = [b for b in beams if len(b.tokens) < self.max_model_len]
+        return [(p, beam) for p, beams in enumerate(self.live) for beam in beams]
+
+    def advance(self, jobs: list[tuple[int, BeamSearchSequence]], entries: list[dict[int, Logprob]]) -> None:
+        """Keep the best continuations of ``jobs``, given each job's next-token logprobs."""
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (p, beam), entry in zip(jobs, entries):
+            for token, lp in entry.items():
+                candidates[p].append(
+                    BeamSearchSequence(beam.tokens + [token], beam.num_prompt_tokens, beam.cum_logprob + lp.logprob)
+                )
+        width = self.width
+        for p, cands in enumerate(candidates):
+            cands.sort(key=lambda b: b.cum_logprob, reverse=True)
+            next_beams: list[BeamSearchSequence] = []
+            for rank, cand in enumerate(cands[: 2 * width]):
+                if cand.tokens[-1] in self.eos:
+                    if rank < width:  # an EOS outside the top beam_width is dropped
+                        cand.finished = True
+                        self.done[p].append(cand)
+                    continue
+                next_beams.append(cand)
+                if len(next_beams) == width:
+                    break
+            self.live[p] = next_beams
+            if _search_is_done(self.done[p], next_beams, width, self.params.length_penalty):
+                self.live[p] = []
+
+    def outputs(self, tokenizer: Any) -> list[BeamSearchOutput]:
+        """The ``beam_width`` best sequences of each prompt, best first, with their text."""
+        outputs = []
+        for p in range(len(self.live)):
+            finished = self.done[p] + self.live[p]
+            for beam in finished:
+                beam.score = _score(beam, self.params.length_penalty)
+                beam.text = tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
+            finished.sort(key=lambda b: b.score, reverse=True)
+            outputs.append(BeamSearchOutput(finished[: self.width]))
+        return outputs
+
+
+def beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    tokens = []
+    for prompt in prompts:
+        _, ids = engine.tokenize_prompt(prompt)
+        engine.check_prompt_length(len(ids))
+        tokens.append(ids)
+    search = BeamSearch(tokens, params, engine.eos_token_ids, engine.max_model_len)
+    counter = itertools.count()
+    while jobs := search.next_jobs():
         added = []
         try:
-            for p, beam in jobs:
-                rid = f"beam-{next(ids)}"
-                engine.add_request(rid, beam.tokens, step_params)
-                added.append((rid, p, beam))
+            for _, beam in jobs:
+                rid = f"beam-{next(counter)}"
+                engine.add_request(rid, beam.tokens, search.step_params)
+                added.append(rid)
             results = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
         except BaseException:
-            engine.abort_request([rid for rid, _, _ in added])
+            engine.abort_request(added)
             raise
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for rid, p, beam in added:
-            entry = results[rid].outputs[0].logprobs[0]  # type: ignore[index]
-            for token, lp in entry.items():
-                candidates[p].append(
-                    BeamSearchSequence(beam.tokens + [token], beam.num_prompt_tokens, beam.cum_logprob + lp.logprob)
-                )
-        for p, cands in enumerate(candidates):
-            cands.sort(key=lambda b: b.cum_logprob, reverse=True)
-            next_beams: list[BeamSearchSequence] = []
-            for rank, cand in enumerate(cands[: 2 * width]):
-                if cand.tokens[-1] in eos:
-                    if rank < width:  # an EOS outside the top beam_width is dropped
-                        cand.finished = True
-                        done[p].append(cand)
-                    continue
-                next_beams.append(cand)
-                if len(next_beams) == width:
-                    break
-            live[p] = next_beams
-            if _search_is_done(done[p], next_beams, width, params.length_penalty):
-                live[p] = []
-    outputs = []
-    tokenizer = engine.tokenizer
-    for p in range(len(prompts)):
-        finished = done[p] + live[p]
-        for beam in finished:
-            beam.score = _score(beam, params.length_penalty)
-            beam.text = tokenizer.decode(beam.output_token_ids, skip_special_tokens=True)
-        finished.sort(key=lambda b: b.score, reverse=True)
-        outputs.append(BeamSearchOutput(finished[:width]))
-    return outputs
+        search.advance(jobs, [results[rid].outputs[0].logprobs[0] for rid in added])  # type: ignore[index]
+    return search.outputs(engine.tokenizer)
 
 
 def _search_is_done(done: list[BeamSearchSequence], live: list[BeamSearchSequence], width: int,

@@ -1,4 +1,4 @@
-"""The ``pagellm`` command: ``generate``, ``serve``, ``bench``, ``plan`` and ``default-model``.
+"""The ``pagellm`` command: ``generate``, ``serve``, ``run-batch``, ``bench``, ``plan`` and ``default-model``.
 
 Only the parser of the command being run is built, and each command imports what it needs when it
 runs: ``pagellm --help`` answers without loading torch, and a plain install (no extras) runs every
@@ -157,6 +157,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _add_run_batch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from pagellm.entrypoints.openai import run_batch
+
+    return run_batch.add_parser(sub)
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from pagellm.entrypoints import plan
 
@@ -185,6 +191,8 @@ def _run_default_model(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]] = {
     "generate": ("generate completions for prompts given on the command line", _add_generate),
     "serve": ("serve the OpenAI-compatible API", _add_serve),
+    "run-batch": ("run a file of OpenAI batch requests (JSON lines) offline, as the server would answer them",
+                  _add_run_batch),
     "bench": ("benchmarks against the peers: throughput, latency, serve, memory", _add_bench),
     "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
     "default-model": (DEFAULT_MODEL_HELP, _add_default_model),

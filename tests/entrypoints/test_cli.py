@@ -81,9 +81,11 @@ def test_help_imports_no_torch_and_serve_help_no_server_stack():
     probe = ("import sys\nfrom pagellm.entrypoints.cli import main\ntry:\n    main({argv})\nexcept SystemExit:\n"
              "    pass\nprint(sorted(m for m in ('torch', 'transformers', 'fastapi', 'httpx') if m in sys.modules))")
     top = _run_python(probe.format(argv=["--help"]))
-    assert "{generate,serve,bench,plan,default-model}" in top.stdout and top.stdout.strip().endswith("[]")
+    assert "{generate,serve,run-batch,bench,plan,default-model}" in top.stdout and top.stdout.strip().endswith("[]")
     serve = _run_python(probe.format(argv=["serve", "--help"]))
     assert "--gpu-memory-utilization" in serve.stdout and serve.stdout.strip().endswith("[]")
+    batch = _run_python(probe.format(argv=["run-batch", "--help"]))
+    assert "--output-file" in batch.stdout and batch.stdout.strip().endswith("[]")
 
 
 def _all_parsers():

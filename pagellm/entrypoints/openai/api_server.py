@@ -52,6 +52,8 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagellm.entrypoints.openai.responses_store import ResponsesStore
 from pagellm.entrypoints.openai.routes import no_such_route, served_routes
 from pagellm.entrypoints.openai.serving import RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -59,6 +61,7 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
 from pagellm.entrypoints.openai.serving_messages import add_messages_routes
 from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
@@ -269,7 +272,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
               request_logging: RequestLogging | None = None, root_path: str = "",
               enable_docs: bool = False, strict_requests: bool = False,
               chat_template_content_format: str = "auto", metrics_prefix: str = "both",
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, responses_store: ResponsesStore | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
     /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
@@ -278,7 +281,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     a 400 for fields no model declares, rather than a warning (``--strict-requests``);
     ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto;
     ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both); ``reasoning_parser``: how a
-    reasoning model's thinking is told from its answer (``--reasoning-parser``)."""
+    reasoning model's thinking is told from its answer (``--reasoning-parser``);
+    ``responses_store``: where the Responses API keeps responses (default: 1024 of them, 256 MiB)."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
     metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
@@ -407,10 +411,15 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     add_messages_routes(app, serving, parse_body, json_body, STREAMS)
     add_pooling_refusals(app)  # /v1/embeddings, /score, /rerank ...: a 400 naming --runner pooling
+    if responses_store is None:
+        responses_store = ResponsesStore(1024, 256 * 2**20)
+    responses = OpenAIServingResponses(serving, responses_store)
+    add_responses_routes(app, responses, lambda request, model: parse_body(request, model, strict_requests),
+                         json_body(ResponsesRequest), STREAMS)
     if dashboard is not None:
         add_dashboard_routes(app, dashboard)
-    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                           MessagesRequest, CountTokensRequest))
+    add_body_schemas(app, (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                           DetokenizeRequest, MessagesRequest, CountTokensRequest))
 
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     app.add_middleware(GuardMiddleware, api_keys=keys, max_body_bytes=max_body_bytes,
@@ -442,6 +451,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive, finite number of seconds, "
                              f"got {getattr(args, flag)}")
     max_body = parse_memory(args.max_request_body_size)
+    responses_store = ResponsesStore(args.responses_store_max_responses, parse_memory(args.responses_store_max_bytes))
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.node_rank > 0:  # another host's model shards: node 0 serves HTTP
@@ -467,7 +477,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
                     root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
                     strict_requests=args.strict_requests,
                     chat_template_content_format=args.chat_template_content_format,
-                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser)
+                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
+                    responses_store=responses_store)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

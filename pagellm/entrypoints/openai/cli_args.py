@@ -123,6 +123,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--root-path", default=None,
                    help="the path prefix a proxy serves this server under, e.g. /llm (FastAPI's root_path: requests "
                         "come with or without it; the OpenAPI schema names it) (default: none)")
+    s.add_argument("--responses-store-max-responses", type=int, default=1024,
+                   help="the Responses API's store (store: true, for GET /v1/responses/{id} and previous_response_id) "
+                        "keeps at most this many responses in memory, the least recently used going first")
+    s.add_argument("--responses-store-max-bytes", default="256MiB",
+                   help="and at most this much of their JSON text in all")
     t = p.add_argument_group("HTTPS (vLLM's flags, through uvicorn)")
     t.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     t.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile")

@@ -82,9 +82,10 @@ class SamplingFields(StrictModel):
     tpot_slo: float | None = None
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
-    # vLLM's, declared only to be refused by name (REFUSED).
+    # vLLM's: beam search (serving_beam_search.py) and the prompt's logprobs (prompt_logprobs.py).
     use_beam_search: bool | None = None
     prompt_logprobs: int | None = None
+    # vLLM's, declared only to be refused by name (REFUSED).
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # vLLM's older names of structured_outputs' fields.
@@ -100,7 +101,7 @@ class SamplingFields(StrictModel):
                                           "safety_identifier", "length_penalty")
     # name -> the values (besides null) that change nothing, and so are accepted.
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "use_beam_search": (False,), "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],),
+        "allowed_token_ids": (), "bad_words": ([],),
         "structural_tag": (),
         "logits_processors": ([],), "return_tokens_as_token_ids": (False,),
     }
@@ -108,7 +109,7 @@ class SamplingFields(StrictModel):
     @model_validator(mode="after")
     def _note_ignored_fields(self) -> SamplingFields:
         for name in self.IGNORED:
-            if name in self.model_fields_set:
+            if name in self.model_fields_set and not (name == "length_penalty" and self.use_beam_search):
                 note_ignored(name)
         if self.stream_options is not None:
             for name in StreamOptions.IGNORED:

@@ -15,7 +15,6 @@ from starlette.routing import BaseRoute, Route
 _LORA = "LoRA adapter loading (--enable-lora)"
 _DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
 VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
-    "/v1/responses": "the Responses API (OpenAI's)",
     "/v1/load_lora_adapter": _LORA,
     "/v1/unload_lora_adapter": _LORA,
     "/invocations": "SageMaker's invocation route",
@@ -32,10 +31,9 @@ VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
     "/scale_elastic_ep": "elastic expert parallelism",
     "/is_scaling_elastic_ep": "elastic expert parallelism",
 }
-# Path prefixes of the same (the audio APIs, a stored response and its cancellation).
+# Path prefixes of the same (the audio APIs).
 VLLM_PREFIXES_NOT_SERVED: dict[str, str] = {
     "/v1/audio/": "the audio APIs (OpenAI's transcriptions and translations, for speech models)",
-    "/v1/responses/": "the Responses API (OpenAI's)",
 }
 # Routes served but not worth listing: the dashboard's assets, FastAPI's OAuth2 helper page.
 _UNLISTED = ("/dashboard/", "/dashboard/{name}", "/docs/oauth2-redirect")

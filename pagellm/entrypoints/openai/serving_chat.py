@@ -23,10 +23,12 @@ from pagellm.entrypoints.openai.chat_prompt import (
 )
 from pagellm.entrypoints.openai.content_tokens import TokenStarts, content_token_count
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
+from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json, requested_prompt_logprobs
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagellm.entrypoints.openai.reasoning_parsers import END as REASONING_END
 from pagellm.entrypoints.openai.reasoning_parsers import PromptThinking, ReasoningParser, get_reasoning_parser
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
+from pagellm.entrypoints.openai.serving_beam_search import beam_search_chat
 from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.entrypoints.openai.tool_calling import ToolMode, tool_mode
 from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -100,6 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         return self.tokenizer.decode(ids), ids
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        if req.use_beam_search:
+            return await self._chat_beam_search(req, http)
         start = await self.start_chat(req)
         job, role = start.job, start.role
         envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
@@ -121,7 +125,28 @@ class OpenAIServingChat(OpenAIServing):
                 "finish_reason": finish,
                 "stop_reason": c.stop_reason,
             })
-        return envelope.body(choices, usage=self._usage(job))
+        # vLLM's: the prompt's logprobs at the top level, when asked for.
+        extra_fields = ({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)}
+                        if req.prompt_logprobs is not None else {})
+        return envelope.body(choices, usage=self._usage(job), **extra_fields)
+
+    async def _chat_beam_search(self, req: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        """``use_beam_search`` (serving_beam_search.py) on the messages through the chat template."""
+        self.check_model(req.model)
+        self._check_fields(req)
+        options, role = self._template_options(req)
+
+        async def prompt() -> list[tuple[str, list[int]]]:
+            return [await self.off_loop(self._chat_prompt, req.messages, options, req.truncate_prompt_tokens)]
+
+        return await beam_search_chat(self, req, http, prompt, role)
+
+    def _template_options(self, req: ChatCompletionRequest) -> tuple[TemplateOptions, str]:
+        """The chat template's arguments, and the reply's role: as vLLM, --response-role where the
+        template adds a generation prompt, else the role of the last message (which the reply continues)."""
+        options = template_options(req.add_generation_prompt, req.continue_final_message, req.documents,
+                                   req.chat_template_kwargs, req.messages, req.reasoning_effort)
+        return options, self.response_role if options.add_generation_prompt else req.messages[-1].role
 
     async def start_chat(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatStart:
         """The request checked, its messages through the chat template, its engine request queued (also
@@ -131,11 +156,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs("top_logprobs", req.top_logprobs)
-        options = template_options(req.add_generation_prompt, req.continue_final_message, req.documents,
-                                   req.chat_template_kwargs, req.messages, req.reasoning_effort)
-        # As vLLM: --response-role where the template adds a generation prompt, else the role of the
-        # last message (which the reply continues).
-        role = self.response_role if options.add_generation_prompt else req.messages[-1].role
+        prompt_logprobs = requested_prompt_logprobs(self, req)
+        options, role = self._template_options(req)
         # max_completion_tokens is OpenAI's newer name for max_tokens; errors name the one given.
         limit_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -163,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = req.sampling_params(max_tokens=max_tokens, defaults=self.defaults,
                                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                         structured_outputs=constraint, **extra)
+                                         structured_outputs=constraint, prompt_logprobs=prompt_logprobs, **extra)
         except ValueError as e:
             raise from_value_error(e) from e
         await self.compile_constraint(params, constraint_field)

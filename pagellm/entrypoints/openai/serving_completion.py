@@ -9,8 +9,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from pagellm.entrypoints.openai.errors import APIError, from_value_error
+from pagellm.entrypoints.openai.prompt_logprobs import prompt_logprobs_json, requested_prompt_logprobs
 from pagellm.entrypoints.openai.protocol import CompletionRequest
 from pagellm.entrypoints.openai.serving import ChoiceState, Envelope, Job, OpenAIServing
+from pagellm.entrypoints.openai.serving_beam_search import beam_search_completion
 from pagellm.entrypoints.openai.structured import request_constraint
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.text import plural
@@ -20,11 +22,15 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, req: CompletionRequest, http: HTTPRequest) -> Any:
         self.check_model(req.model)
         self._check_fields(req)
+        if req.use_beam_search:
+            return await beam_search_completion(self, req, http, lambda: self._completion_prompts(
+                req.prompt, req.add_special_tokens, req.truncate_prompt_tokens))
         if req.suffix is not None:
             raise APIError(400, "suffix is not supported by this server; remove it", param="suffix")
         if req.max_tokens is not None and req.max_tokens < 0:
             raise APIError(400, f"max_tokens must be >= 0, got {req.max_tokens}", param="max_tokens")
         self.check_logprobs("logprobs", req.logprobs)
+        prompt_logprobs = requested_prompt_logprobs(self, req)
         echo_only = req.echo and req.max_tokens == 0
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo, to score a prompt)",
@@ -42,7 +48,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 defaults=self.defaults,
                 best_of=req.best_of,
                 logprobs=req.logprobs,
-                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                # As vLLM: an echo's logprobs are the prompt's, prompt_logprobs of them when given.
+                prompt_logprobs=(prompt_logprobs if prompt_logprobs is not None
+                                 else req.logprobs if req.echo and req.logprobs is not None else None),
                 structured_outputs=None if echo_only else constraint,
             )
         except ValueError as e:
@@ -130,8 +138,11 @@ class OpenAIServingCompletion(OpenAIServing):
         text = prompt_text if echo_only else ((prompt_text if req.echo else "") + c.text)
         logprobs = (self._completion_logprobs(out, c, req.echo, echo_only)
                     if req.logprobs is not None else None)
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": "length" if echo_only else c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": "length" if echo_only else c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None and not req.stream:  # (a stream refuses them)
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return choice
 
     async def _completion_chunks(self, job: Job, req: CompletionRequest, envelope: Envelope,
                                  echo_only: bool) -> AsyncIterator[str]:

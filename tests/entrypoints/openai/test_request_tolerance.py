@@ -102,7 +102,7 @@ def test_unknown_fields_are_ignored_with_one_warning_naming_them(server, client)
 
 
 def test_fields_that_would_change_the_output_are_still_refused(client):
-    for extra in ({"use_beam_search": True}, {"chat_template": "{{ 'x' }}"},
+    for extra in ({"allowed_token_ids": [1]}, {"chat_template": "{{ 'x' }}"},
                   {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, extra_body=extra)

@@ -150,14 +150,14 @@ def test_plural_counts():
 
 # ------------------------------------------------------------------ unknown routes
 def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
-    r = httpx.post(server.url + "/v1/responses", json={"model": NAME, "input": "Hello"})
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
     message = r.json()["error"]["message"]
-    assert "no such route: POST /v1/responses is the Responses API" in message
+    assert "no such route: POST /v1/load_lora_adapter is LoRA adapter loading" in message
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    for path, api in [("/v1/audio/transcriptions", "audio APIs"), ("/v1/load_lora_adapter", "LoRA"),
-                      (ROOT + "/v1/responses", "Responses API")]:
+    for path, api in [("/v1/audio/transcriptions", "audio APIs"), ("/invocations", "SageMaker"),
+                      (ROOT + "/v1/load_lora_adapter", "LoRA")]:
         r = httpx.post(server.url + path, json={})
         assert r.status_code == 404 and api in r.json()["error"]["message"], (path, r.text)
 
