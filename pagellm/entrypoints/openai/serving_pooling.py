@@ -249,14 +249,13 @@ def add_pooling_routes(app: FastAPI, serving: ServingPooling, parse_body: ParseB
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         route(path, RerankRequest, serving.rerank)
 
-    async def generative(request: Request) -> JSONResponse:
-        message = (f"{get_route_path(request.scope)} generates text, but this server runs a pooling model "
-                   f"({serving.engine.engine.task}: --runner pooling); serve a generative model with --runner "
-                   "generate for it. This server answers " + ", ".join(POOLING_ROUTES))
-        return error_response(APIError(400, message, code="wrong_runner"))
 
-    for path in GENERATIVE_ROUTES:
-        app.add_api_route(path, generative, methods=["POST"], include_in_schema=False)
+def generative_refusal(path: str, task: str) -> JSONResponse:
+    """The 400 of a generative route on the pooling server (answered where the route is not found, so
+    that the routes it lists are only those it serves)."""
+    message = (f"{path} generates text, but this server runs a pooling model ({task}: --runner pooling); serve "
+               "a generative model with --runner generate for it. This server answers " + ", ".join(POOLING_ROUTES))
+    return error_response(APIError(400, message, code="wrong_runner"))
 
 
 def build_pooling_app(engine: PoolingEngine, model_names: Sequence[str], parse_body: ParseBody,
@@ -287,7 +286,10 @@ def build_pooling_app(engine: PoolingEngine, model_names: Sequence[str], parse_b
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = (no_such_route(request.method, get_route_path(request.scope), served_routes(app.routes))
+        path = get_route_path(request.scope)
+        if exc.status_code in (404, 405) and path in GENERATIVE_ROUTES:
+            return generative_refusal(path, engine.task)
+        message = (no_such_route(request.method, path, served_routes(app.routes))
                    if exc.status_code == 404 else str(exc.detail))
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 

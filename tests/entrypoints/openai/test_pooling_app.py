@@ -60,3 +60,13 @@ def test_a_failing_input_fails_only_its_request(matryoshka: Path, monkeypatch: p
             codes = list(pool.map(lambda t: http.post("/v1/embeddings", json={"input": t}).status_code, texts))
         assert codes == [500 if t == "poison" else 200 for t in texts]
         assert http.get("/health").status_code == 200
+
+
+def test_generative_routes_are_refused_and_not_listed(matryoshka: Path) -> None:
+    with app_for(matryoshka) as http:
+        r = http.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and "--runner generate" in r.json()["error"]["message"]
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404
+        message = r.json()["error"]["message"]
+        assert "POST /v1/embeddings" in message and "/v1/chat/completions" not in message
