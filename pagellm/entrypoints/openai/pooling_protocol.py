@@ -41,7 +41,7 @@ class RerankRequest(PoolingModel):
     documents: list[str | RerankDocument]
     top_n: int | None = Field(default=None, ge=0)
     return_documents: bool = True
-    # Cohere's: a cap on each document's tokens (documents are truncated to the model's limit anyway).
+    # Cohere's: each document is cut to its first max_tokens_per_doc tokens before it is scored.
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
 
 

@@ -205,6 +205,9 @@ class ServingPooling:
     async def rerank(self, body: RerankRequest) -> dict[str, Any]:
         self.check_model(body.model)
         docs = [d.text if isinstance(d, RerankDocument) else d for d in body.documents]
+        if body.max_tokens_per_doc is not None:  # Cohere's: each document cut to its first N tokens
+            tokenizer, n = self.engine.engine.tokenizer, body.max_tokens_per_doc
+            docs = [tokenizer.decode(tokenizer(d, add_special_tokens=False)["input_ids"][:n]) for d in docs]
         if not docs:
             return self._envelope("rerank", results=[], usage={"prompt_tokens": 0, "total_tokens": 0})
         truncate = body.truncate_prompt_tokens

@@ -134,6 +134,10 @@ def test_rerank_and_score_equal_offline_score(reranker) -> None:
         assert ("document" in res[0]) == (path != "/v2/rerank")
     r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 200  # a cross-encoder embeds too (its encoder's pooled output)
+    cut = [o.outputs.score for o in LLM(str(folder), runner="pooling").score(query, ["The capital"], use_tqdm=False)]
+    res = httpx.post(srv.url + "/v2/rerank", json={"query": query, "documents": [docs[1]],
+                                                   "max_tokens_per_doc": 2}).json()["results"]
+    assert res[0]["relevance_score"] == pytest.approx(cut[0], abs=1e-6)
 
 
 def test_concurrent_requests_each_get_their_own_embeddings(server: RemoteServer, offline: np.ndarray) -> None:
