@@ -283,7 +283,7 @@ class EngineArgs:
         "accepted for vLLM scripts (no effect, logged): each step is scheduled after the previous one's tokens"))
     runner: str = field(default="auto", metadata=_flag(
         "generate: a decoder generates text; pooling: an encoder embeds or scores inputs (/v1/embeddings, "
-        "LLM.embed); auto: pooling for an encoder's folder (BertModel, XLMRobertaModel, their "
+        "LLM.embed); auto: pooling for an encoder's folder (BertModel, XLMRobertaModel, ModernBertModel, their "
         "*ForSequenceClassification), else generate", choices=RUNNERS))
     convert: str = field(default="auto", metadata=_flag(
         "with --runner pooling: embed (pooled embeddings) or classify (a sequence-classification head's "

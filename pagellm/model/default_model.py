@@ -246,8 +246,9 @@ def build_bert_tokenizer(folder: Path, vocab_size: int = 400, roberta: bool = Fa
 def build_encoder_checkpoint(folder: Path, architecture: str = "bert", seed: int = 0, pooling: str | None = "mean",
                              normalize: bool = True, num_labels: int | None = None, max_seq_length: int | None = None,
                              **config_overrides: Any) -> Path:
-    """A random-weight encoder (``architecture``: ``bert`` or ``xlm-roberta``) saved into ``folder`` with its
-    tokenizer; ``num_labels``: a sequence-classification head (a cross-encoder) instead of the bare encoder;
+    """A random-weight encoder (``architecture``: ``bert``, ``xlm-roberta`` or ``modernbert``) saved into
+    ``folder`` with its tokenizer; ``num_labels``: a sequence-classification head (a cross-encoder) instead of
+    the bare encoder;
     ``pooling`` (cls, mean, max, mean_sqrt_len, lasttoken; None: no sentence-transformers files) and
     ``normalize``: the sentence-transformers modules written beside it."""
     import json
@@ -265,6 +266,11 @@ def build_encoder_checkpoint(folder: Path, architecture: str = "bert", seed: int
     )
     if roberta:
         settings.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if architecture == "modernbert":  # 4 layers: global ones at 0 and 3, local ones seeing 4 tokens each side
+        del settings["type_vocab_size"]
+        settings.update(num_hidden_layers=4, global_attn_every_n_layers=3, local_attention=8,
+                        cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
+                        bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id)
     if num_labels is not None:
         settings["num_labels"] = num_labels
     settings.update(config_overrides)
@@ -276,7 +282,7 @@ def build_encoder_checkpoint(folder: Path, architecture: str = "bert", seed: int
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.05)
-            elif "LayerNorm" not in name:
+            elif "norm" not in name.lower():
                 param.normal_(0.0, 0.1)
     model.save_pretrained(str(folder), safe_serialization=True)
     if pooling is not None and num_labels is None:

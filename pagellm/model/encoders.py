@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from pagellm.model.bert import BertForSequenceClassification, BertModel
 from pagellm.model.loader import iterate_weights
+from pagellm.model.modernbert import ModernBertModel
 from pagellm.model.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {
@@ -18,9 +19,11 @@ ENCODER_REGISTRY: dict[str, type[BertModel]] = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaModel": XLMRobertaModel,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "ModernBertModel": ModernBertModel,
     # Masked-LM checkpoints hold the whole encoder; their LM head is left unread.
     "BertForMaskedLM": BertModel,
     "XLMRobertaForMaskedLM": XLMRobertaModel,
+    "ModernBertForMaskedLM": ModernBertModel,
 }
 
 
@@ -58,7 +61,7 @@ def load_encoder(folder: Path, config: PretrainedConfig, dtype: torch.dtype, dev
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "LayerNorm" not in name:
+                if "norm" not in name.lower():
                     p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
     else:
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """Encoder models (--runner pooling) against sentence-transformers on the same folders: embeddings of every
-pooling mode on tiny random BERT and XLM-RoBERTa folders and on the real all-MiniLM-L6-v2, cross-encoder
+pooling mode on tiny random BERT, XLM-RoBERTa and ModernBERT folders and on the real all-MiniLM-L6-v2, cross-encoder
 scores against CrossEncoder.predict, and a small retrieval check."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def assert_parity(folder: Path, texts: list[str] = TEXTS) -> np.ndarray:
     return cos
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "modernbert"])
 @pytest.mark.parametrize("pooling", ["cls", "mean", "max", "mean_sqrt_len", "lasttoken"])
 def test_pooling_modes_match_sentence_transformers(tmp_path: Path, family: str, pooling: str) -> None:
     folder = build_encoder_checkpoint(tmp_path / "m", family, pooling=pooling, normalize=pooling != "max",
