@@ -163,7 +163,7 @@ class BertModel(nn.Module):
         mask = attention_mask.bool()[:, None, None, :]
         return self.encoder(x, mask)
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(self).__name__} has no classification head: it embeds (--convert embed)")
 
     def _own_names(self, names: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,6 +208,6 @@ class BertForSequenceClassification(BertModel):
         self.pooler = BertPooler(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels or 1)
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[batch, length, hidden]`` -> logits ``[batch, num_labels]``."""
         return self.classifier(self.pooler(hidden))

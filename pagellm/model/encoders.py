@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from pagellm.model.bert import BertForSequenceClassification, BertModel
 from pagellm.model.loader import iterate_weights
-from pagellm.model.modernbert import ModernBertModel
+from pagellm.model.modernbert import ModernBertForSequenceClassification, ModernBertModel
 from pagellm.model.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {
@@ -20,6 +20,7 @@ ENCODER_REGISTRY: dict[str, type[BertModel]] = {
     "XLMRobertaModel": XLMRobertaModel,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
     "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
     # Masked-LM checkpoints hold the whole encoder; their LM head is left unread.
     "BertForMaskedLM": BertModel,
     "XLMRobertaForMaskedLM": XLMRobertaModel,

@@ -125,3 +125,37 @@ class ModernBertModel(BertModel):
         for layer, kind in zip(self.layers, self.layer_types):
             x = layer(x, masks[kind], *rope[kind])
         return self.final_norm(x)
+
+
+class ModernBertPredictionHead(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=bool(config.classifier_bias))
+        self.act = activation(config.classifier_activation)
+        self.norm = _norm(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertForSequenceClassification(ModernBertModel):
+    """A ModernBERT cross-encoder: the first token or the mean (``classifier_pooling``), ``head``, then
+    ``classifier``."""
+
+    is_classifier = True
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.head = ModernBertPredictionHead(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels or 1)
+        self.pooling = str(getattr(config, "classifier_pooling", "cls"))
+        if self.pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling {self.pooling!r} is not supported (cls or mean)")
+
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * m).sum(dim=1) / m.sum(dim=1)
+        return self.classifier(self.head(pooled))

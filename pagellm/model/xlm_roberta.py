@@ -43,5 +43,5 @@ class XLMRobertaForSequenceClassification(XLMRobertaModel):
         super().__init__(config)
         self.classifier = RobertaClassificationHead(config)
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+    def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.classifier(hidden)

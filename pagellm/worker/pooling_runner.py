@@ -95,7 +95,7 @@ class PoolingRunner:
             if self.pooling.normalize:
                 out = normalize(out)
         else:
-            logits = self.model.classify(hidden).float()
+            logits = self.model.classify(hidden, mask).float()
             if task == "classify":
                 out = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
             else:

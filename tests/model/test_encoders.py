@@ -65,10 +65,11 @@ def test_over_long_input_is_refused_without_truncation(tmp_path: Path) -> None:
     assert len(out[0].prompt_token_ids) == 10
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "modernbert"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_cross_encoder_matches_sentence_transformers(tmp_path: Path, family: str, num_labels: int) -> None:
-    folder = build_encoder_checkpoint(tmp_path / "ce", family, num_labels=num_labels)
+    extra = {"classifier_pooling": "mean"} if family == "modernbert" and num_labels == 1 else {}
+    folder = build_encoder_checkpoint(tmp_path / "ce", family, num_labels=num_labels, **extra)
     query = "What is the capital of France?"
     docs = ["The capital of France is Paris.", "The quick brown fox jumps over the lazy dog.", "", "héllo 日本"]
     llm = LLM(str(folder), runner="pooling")
