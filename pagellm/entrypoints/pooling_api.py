@@ -15,7 +15,6 @@ from pagellm.engine.pooling_engine import PoolingEngine, PoolingPrompt
 from pagellm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
-    PoolingOutput,
     PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -140,6 +139,3 @@ class PoolingAPI:
                                      ScoringOutput(_cosine(embs[i].outputs.data, embs[n + i].outputs.data)),
                                      embs[i].prompt_token_ids + embs[n + i].prompt_token_ids)
                 for i in range(n)]
-
-
-__all__ = ["PoolingAPI", "PoolingOutput"]
