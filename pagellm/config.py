@@ -120,6 +120,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION_METHODS = ("gguf", "none", "int8", "q4_0")
 
 
+# --runner, --convert and vLLM's older --task (engine/runner_choice.py resolves them for a model).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+
+
 def _flag(help: str, *aliases: str, **kw: Any) -> Any:
     return {"help": help, "aliases": aliases, **kw}
 
@@ -292,6 +298,17 @@ class EngineArgs:
         "-O", choices=(0, 1, 2, 3)))
     async_scheduling: bool = field(default=False, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): each step is scheduled after the previous one's tokens"))
+    runner: str = field(default="auto", metadata=_flag(
+        "generate: a decoder generates text; pooling: an encoder embeds or scores inputs (/v1/embeddings, "
+        "LLM.embed); auto: pooling for an encoder's folder (BertModel, XLMRobertaModel, ModernBertModel, their "
+        "*ForSequenceClassification), else generate", choices=RUNNERS))
+    convert: str = field(default="auto", metadata=_flag(
+        "with --runner pooling: embed (pooled embeddings) or classify (a sequence-classification head's "
+        "scores: classify, score, rerank); auto: classify for a *ForSequenceClassification model, else embed",
+        choices=CONVERTS))
+    task: str = field(default="auto", metadata=_flag(
+        "vLLM's older spelling of --runner/--convert: generate; embed or embedding (--runner pooling "
+        "--convert embed); classify or score (--runner pooling --convert classify)", choices=TASKS))
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -321,6 +338,9 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy (--scheduling-policy) must be fcfs, priority or sla, "
                 f"got {self.scheduling_policy!r}")
+        for name, choices in (("runner", RUNNERS), ("convert", CONVERTS), ("task", TASKS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} (--{name}) must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode (--preemption-mode) must be auto, swap or recompute, got {self.preemption_mode!r}")
@@ -511,7 +531,6 @@ VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
     "enable_lora": ((False,), "LoRA adapters are not supported yet"),
     "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
-    "task": (("auto", "generate"), "pagellm generates text"),
 }
 
 

@@ -15,6 +15,9 @@ from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheStats
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.pooling_engine import PoolingEngine
+from pagellm.engine.runner_choice import pooling_task
+from pagellm.entrypoints.pooling_api import PoolingAPI
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.text import plural
@@ -34,11 +37,16 @@ def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
     return list(prompts)
 
 
-class LLM:
-    """``LLM(model=None, **engine_args)``: with no model, the embedded tiny default."""
+class LLM(PoolingAPI):
+    """``LLM(model=None, **engine_args)``: with no model, the embedded tiny default. An encoder's folder
+    (or ``runner="pooling"``) loads the pooling engine: ``embed``, ``encode``, ``classify``, ``score``."""
+
+    llm_engine: Any  # LLMEngine, or PoolingEngine under runner="pooling"
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        task = pooling_task(args)
+        self.llm_engine = LLMEngine(args) if task is None else PoolingEngine(args, task)
         self._counter = itertools.count()
         # The engine's processes (tensor-parallel workers, the grammar probe) end with this object:
         # ``del llm; gc.collect()`` frees them for the next LLM, as in vLLM; so does ``with LLM(...)``.
@@ -54,6 +62,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    def _generative(self, method: str) -> None:
+        if isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError(f"LLM.{method} generates text, but this model was loaded with runner='pooling' "
+                             "(an encoder embeds or scores): use LLM.embed, encode, classify or score")
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -66,6 +79,7 @@ class LLM:
         self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt; each output holds the ``beam_width`` best sequences, best first."""
+        self._generative("beam_search")
         return beam_search(self.llm_engine, _as_prompt_list(prompts), params)
 
     # ------------------------------------------------------------ KV cache
@@ -97,6 +111,7 @@ class LLM:
         ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt;
         ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
         """
+        self._generative("generate")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -135,6 +150,7 @@ class LLM:
         ``continue_final_message`` leaves the last message open for the reply to continue, and
         ``chat_template_kwargs`` are the template's own variables (``{"enable_thinking": False}``). Each
         output's ``prompt`` is the rendered conversation, as in vLLM."""
+        self._generative("chat")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: pass "
                              "add_generation_prompt=False to continue the last message")

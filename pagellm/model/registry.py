@@ -27,5 +27,5 @@ def model_class_for(architectures: list[str] | None) -> type[LlamaForCausalLM]:
             return MODEL_REGISTRY[arch]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
-        f"pagellm supports: {', '.join(sorted(MODEL_REGISTRY))}"
+        f"pagellm supports: {', '.join(sorted(MODEL_REGISTRY))} (encoders such as BertModel run with --runner pooling)"
     )

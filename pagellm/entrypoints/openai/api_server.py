@@ -55,11 +55,12 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagellm.entrypoints.openai.responses_store import ResponsesStore
 from pagellm.entrypoints.openai.routes import no_such_route, served_routes
-from pagellm.entrypoints.openai.serving import RequestLogging
+from pagellm.entrypoints.openai.serving import ChatOptions, RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
 from pagellm.entrypoints.openai.serving_messages import add_messages_routes
+from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
@@ -263,25 +264,19 @@ class CORSSettings:
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] | None = None,
-              max_waiting_requests: int | None = None, max_body_bytes: int = 2**20,
-              chat_template: str | None = None, aliases: Sequence[str] = (),
+              max_waiting_requests: int | None = None, max_body_bytes: int = 2**20, aliases: Sequence[str] = (),
               body_read_timeout: float = math.inf, cors: CORSSettings | None = None,
-              enable_dashboard: bool = True, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, response_role: str = "assistant",
-              request_logging: RequestLogging | None = None, root_path: str = "",
-              enable_docs: bool = False, strict_requests: bool = False,
-              chat_template_content_format: str = "auto", metrics_prefix: str = "both",
-              reasoning_parser: str | None = None, responses_store: ResponsesStore | None = None) -> FastAPI:
+              enable_dashboard: bool = True, request_logging: RequestLogging | None = None, root_path: str = "",
+              enable_docs: bool = False, strict_requests: bool = False, metrics_prefix: str = "both",
+              chat_options: ChatOptions | None = None, responses_store: ResponsesStore | None = None) -> FastAPI:
     """The app; ``model_name`` is the name responses report, ``aliases`` the other names requests may
     use, ``api_key`` one key or several (each accepted); ``enable_dashboard``: serve /dashboard and
-    /v1/kv_cache/state; ``response_role``: chat responses' role; ``request_logging``: log each request
-    (``--enable-log-requests``); ``root_path``: the prefix a proxy serves the app under;
-    ``enable_docs``: serve /docs and /redoc (their pages load scripts from a CDN); ``strict_requests``:
-    a 400 for fields no model declares, rather than a warning (``--strict-requests``);
-    ``chat_template_content_format``: message content as a string, OpenAI's parts, or auto;
-    ``metrics_prefix``: the names /metrics exposes (vllm, pagellm or both); ``reasoning_parser``: how a
-    reasoning model's thinking is told from its answer (``--reasoning-parser``);
-    ``responses_store``: where the Responses API keeps responses (default: 1024 of them, 256 MiB)."""
+    /v1/kv_cache/state; ``request_logging``: log each request (``--enable-log-requests``);
+    ``root_path``: the prefix a proxy serves the app under; ``enable_docs``: serve /docs and /redoc
+    (their pages load scripts from a CDN); ``strict_requests``: a 400 for fields no model declares,
+    rather than a warning (``--strict-requests``); ``metrics_prefix``: the names /metrics exposes
+    (vllm, pagellm or both); ``chat_options``: how chat requests are read and answered (the chat template,
+    tool and reasoning parsers); ``responses_store``: where the Responses API keeps responses."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     engine.structured_output.warm_up()
     metrics = EngineMetrics(engine, model_name, prefix=metrics_prefix)
@@ -289,11 +284,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
     if not engine.args.disable_log_stats:
         async_engine.step_callbacks.append(StatsLogger(engine).on_step)
     async_engine.abort_callbacks.append(metrics.on_abort)
-    serving = OpenAIServing(async_engine, model_name, chat_template, aliases=tuple(aliases),
-                            tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                            response_role=response_role, request_logging=request_logging,
-                            chat_template_content_format=chat_template_content_format,
-                            reasoning_parser=reasoning_parser)
+    serving = OpenAIServing(async_engine, model_name, tuple(aliases), request_logging, chat_options)
     dashboard = Dashboard(async_engine, model_name) if enable_dashboard else None
     if dashboard is not None:
         async_engine.step_callbacks.append(dashboard.on_step)
@@ -409,6 +400,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     add_messages_routes(app, serving, parse_body, json_body, STREAMS)
+    add_pooling_refusals(app)  # /v1/embeddings, /score, /rerank ...: a 400 naming --runner pooling
     if responses_store is None:
         responses_store = ResponsesStore(1024, 256 * 2**20)
     responses = OpenAIServingResponses(serving, responses_store)
@@ -457,6 +449,8 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
         from pagellm.engine.tp_worker import run_worker_node
 
         return run_worker_node(engine_args)
+    if pooling_task(engine_args) is not None:  # an encoder: the pooling server (serving_pooling.py)
+        return run_pooling_server(args, engine_args, sock, parse_body, GuardMiddleware, max_body)
     engine = LLMEngine(engine_args)
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
@@ -465,16 +459,12 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     api_keys = args.api_key
     cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,
-                    max_body_bytes=max_body, chat_template=chat_template, aliases=names[1:],
-                    body_read_timeout=args.body_read_timeout, cors=cors,
-                    enable_dashboard=not args.disable_dashboard, tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, response_role=args.response_role,
+                    max_body_bytes=max_body, aliases=names[1:], body_read_timeout=args.body_read_timeout,
+                    cors=cors, enable_dashboard=not args.disable_dashboard,
                     request_logging=RequestLogging(args.max_log_len) if args.enable_log_requests else None,
                     root_path=args.root_path or "", enable_docs=args.enable_fastapi_docs,
-                    strict_requests=args.strict_requests,
-                    chat_template_content_format=args.chat_template_content_format,
-                    metrics_prefix=args.metrics_prefix, reasoning_parser=args.reasoning_parser,
-                    responses_store=responses_store)
+                    strict_requests=args.strict_requests, metrics_prefix=args.metrics_prefix,
+                    chat_options=ChatOptions.from_args(args, chat_template), responses_store=responses_store)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=args.timeout_keep_alive,
                             http=with_head_timeout(args.body_read_timeout), ssl_keyfile=args.ssl_keyfile,

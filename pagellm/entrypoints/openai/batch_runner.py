@@ -29,6 +29,7 @@ from pagellm.entrypoints.openai.api_server import OpenAIServing
 from pagellm.entrypoints.openai.chat_prompt import load_chat_template
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_validation_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.serving import ChatOptions
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
 from pagellm.text import plural
 
@@ -186,10 +187,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
     async def main() -> BatchCounts:
         async_engine = AsyncLLMEngine(engine)
         warm_up = engine.structured_output.warm_up()
-        serving = OpenAIServing(async_engine, names[0], chat_template, aliases=tuple(names[1:]),
-                                tool_call_parser=args.tool_call_parser, response_role=args.response_role,
-                                chat_template_content_format=args.chat_template_content_format,
-                                reasoning_parser=args.reasoning_parser)
+        serving = OpenAIServing(async_engine, names[0], tuple(names[1:]),
+                                chat=ChatOptions.from_args(args, chat_template))
         async_engine.start()
         try:
             with open(args.output_file, "w", encoding="utf-8") as out:

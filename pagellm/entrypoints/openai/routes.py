@@ -10,20 +10,11 @@ from collections.abc import Iterable
 from starlette.routing import BaseRoute, Route
 
 # vLLM's server routes that pagellm does not serve (yet): path -> the API it is in vLLM.
-_EMBEDDINGS = "the embeddings API (OpenAI's, for pooling models)"
-_RERANK = "the rerank API (Jina's and Cohere's, for cross-encoder models)"
-_SCORE = "the score API (sentence-pair scores, for cross-encoder and embedding models)"
+# (The pooling routes, /v1/embeddings, /score, /rerank ..., are served under --runner pooling, and answer a
+# 400 naming it on a generative server: serving_pooling.py.)
 _LORA = "LoRA adapter loading (--enable-lora)"
 _DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
 VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
-    "/v1/embeddings": _EMBEDDINGS,
-    "/rerank": _RERANK,
-    "/v1/rerank": _RERANK,
-    "/v2/rerank": _RERANK,
-    "/score": _SCORE,
-    "/v1/score": _SCORE,
-    "/pooling": "the pooling API (hidden states of pooling models)",
-    "/classify": "the classification API (sequence-classification models)",
     "/v1/load_lora_adapter": _LORA,
     "/v1/unload_lora_adapter": _LORA,
     "/invocations": "SageMaker's invocation route",

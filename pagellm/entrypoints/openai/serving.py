@@ -94,24 +94,38 @@ class RequestLogging:
                     text if n is None else text[:n], params, shown_ids, plural(len(ids), "prompt token"))
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat requests are read and answered: the serve (and run-batch) flags of the same names."""
+
+    chat_template: str | None = None  # None: the tokenizer's own
+    # How tool calls are read (auto: the format the chat template speaks, decided on first use).
+    tool_call_parser: str = "auto"
+    # Accepted as vLLM's and changes nothing: "auto" tool choice always works.
+    enable_auto_tool_choice: bool = False
+    response_role: str = "assistant"
+    chat_template_content_format: str = "auto"  # string, openai, or auto (from the template)
+    reasoning_parser: str | None = None  # which part of a reasoning model's output is its thinking
+
+    @classmethod
+    def from_args(cls, args: Any, chat_template: str | None) -> ChatOptions:
+        """The options of parsed serve or run-batch flags (``chat_template`` loaded from its flag)."""
+        return cls(chat_template, args.tool_call_parser or "auto", getattr(args, "enable_auto_tool_choice", False),
+                   args.response_role, args.chat_template_content_format, args.reasoning_parser)
+
+
 class OpenAIServing:
     """The state and helpers both handlers use (``OpenAIServingCompletion``, ``OpenAIServingChat``)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-                 aliases: tuple[str, ...] = (), tool_call_parser: str | None = "auto",
-                 enable_auto_tool_choice: bool = False, response_role: str = "assistant",
-                 request_logging: RequestLogging | None = None, chat_template_content_format: str = "auto",
-                 reasoning_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, aliases: tuple[str, ...] = (),
+                 request_logging: RequestLogging | None = None, chat: ChatOptions | None = None) -> None:
+        chat = chat or ChatOptions()
         self.engine = engine
-        self.response_role = response_role  # --response-role
+        self.response_role = chat.response_role
         self.request_logging = request_logging
-        # --tool-call-parser: how tool calls are read (auto: the format the chat template speaks, decided
-        # on first use). --enable-auto-tool-choice is accepted as vLLM's and changes nothing: "auto"
-        # tool choice always works.
-        self.tool_call_parser = tool_call_parser or "auto"
-        self.enable_auto_tool_choice = enable_auto_tool_choice
-        # --reasoning-parser: which part of a reasoning model's output is its thinking (None: none is).
-        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = chat.tool_call_parser
+        self.enable_auto_tool_choice = chat.enable_auto_tool_choice
+        self.reasoning_parser = chat.reasoning_parser
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name  # the name responses report
@@ -119,11 +133,11 @@ class OpenAIServing:
         # Sampling defaults of requests that leave them unset (the model's generation_config.json).
         self.defaults = self.llm.default_sampling_fields
         self.max_model_len = self.llm.max_model_len
-        self.chat_template = chat_template  # None: the tokenizer's own
-        # --chat-template-content-format: message content as a string or as OpenAI's list of parts
-        # (None: auto, decided from the template on first use).
+        self.chat_template = chat.chat_template
+        # Message content as a string or as OpenAI's list of parts (None: auto, decided from the
+        # template on first use).
         self._content_format: Literal["string", "openai"] | None = (
-            None if chat_template_content_format == "auto" else chat_template_content_format)  # type: ignore[assignment]
+            None if chat.chat_template_content_format == "auto" else chat.chat_template_content_format)  # type: ignore[assignment]
         # Tokenizing (and chat templates) off the event loop, so that a long prompt does not stall
         # every other client's stream; one thread, so requests' tokenizations never overlap.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-tokenize")

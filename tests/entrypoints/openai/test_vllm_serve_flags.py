@@ -150,19 +150,24 @@ def test_plural_counts():
 
 # ------------------------------------------------------------------ unknown routes
 def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
-    with pytest.raises(openai.NotFoundError) as e:
-        client(server).embeddings.create(model=NAME, input="Hello")
-    message = e.value.body["message"]
-    assert "no such route: POST /v1/embeddings is the embeddings API" in message
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
+    message = r.json()["error"]["message"]
+    assert "no such route: POST /v1/load_lora_adapter is LoRA adapter loading" in message
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
-    assert e.value.body["type"] == "not_found_error"
-    for path, api in [("/v1/rerank", "rerank API"), ("/score", "score API"),
-                      ("/pooling", "pooling API"), ("/classify", "classification API"),
-                      ("/v1/audio/transcriptions", "audio APIs"), ("/v1/load_lora_adapter", "LoRA"),
-                      (ROOT + "/v1/embeddings", "embeddings API")]:
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for path, api in [("/v1/audio/transcriptions", "audio APIs"), ("/invocations", "SageMaker"),
+                      (ROOT + "/v1/load_lora_adapter", "LoRA")]:
         r = httpx.post(server.url + path, json={})
         assert r.status_code == 404 and api in r.json()["error"]["message"], (path, r.text)
+
+
+def test_the_pooling_routes_name_runner_pooling(server):
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client(server).embeddings.create(model=NAME, input="Hello")
+    for path in ("/v1/rerank", "/score", "/pooling", "/classify", ROOT + "/v1/embeddings"):
+        r = httpx.post(server.url + path, json={})
+        assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"], (path, r.text)
 
 
 def test_an_unknown_route_lists_the_routes_served(server):
