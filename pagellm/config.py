@@ -9,8 +9,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.constraint_limits import (
+    DEFAULT_COMPILE_TIMEOUT,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_MASK_MS,
+    DEFAULT_MAX_RULES,
+    ConstraintLimits,
+)
 from pagellm.sampling_params import SEED_RANGE
-from pagellm.vllm_args import check_vllm_engine_fields
+from pagellm.vllm_args import VLLM_ONLY_ARGS, check_vllm_engine_fields, check_vllm_only_arg
 
 _UNITS = {
     "": 1, "b": 1,
@@ -55,45 +63,6 @@ def read_prompt_file(path: str) -> list[str]:
             raise ValueError(f"--preload-prompts file {path!r} must hold a JSON list of strings")
         return prompts
     return [line for line in text.splitlines() if line.strip()]
-
-
-# Defaults of the --structured-outputs-* bounds on a request's output constraint (see
-# structured_output/limits.py for what each guards against).
-DEFAULT_MAX_BYTES = 256 * 1024
-DEFAULT_MAX_DEPTH = 100
-DEFAULT_MAX_RULES = 5000
-DEFAULT_COMPILE_TIMEOUT = 10.0
-DEFAULT_MAX_MASK_MS = 20.0
-
-
-@dataclass(frozen=True)
-class ConstraintLimits:
-    """The --structured-outputs-* bounds on a request's output constraint (structured_output/limits.py
-    checks constraints against them). ``max_bytes``: the constraint's text (schema, grammar, regex,
-    choices) at most this long; ``max_depth``: a JSON schema nested at most this deep, as written;
-    ``compile_timeout``: the time one constraint may take to compile before the request is refused;
-    ``max_mask_ms``: the CPU time one token's mask may cost (it is spent inside every step the request is in)."""
-
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_depth: int = DEFAULT_MAX_DEPTH
-    max_rules: int = DEFAULT_MAX_RULES
-    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT
-    max_mask_ms: float = DEFAULT_MAX_MASK_MS
-
-    def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_depth", "max_rules"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{constraint_flag(name)} must be a positive integer, got {v!r}")
-        for name in ("compile_timeout", "max_mask_ms"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-                raise ValueError(f"{constraint_flag(name)} must be a positive number, got {v!r}")
-
-
-def constraint_flag(name: str) -> str:
-    """The server flag of a ConstraintLimits field."""
-    return "--structured-outputs-" + name.replace("_", "-")
 
 
 # vLLM's --dtype names; "half" and "float" are its aliases of float16 and float32.
@@ -522,21 +491,3 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         return cls(**kwargs)
-
-
-# vLLM engine arguments that mean nothing to pagellm at the value given: name -> (the values accepted,
-# why). Scripts written for vLLM pass them; any other value is an error that says what is supported.
-VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
-    "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
-    "enable_lora": ((False,), "LoRA adapters are not supported yet"),
-    "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
-}
-
-
-def check_vllm_only_arg(name: str, value: Any) -> None:
-    """ValueError unless ``value`` is one at which vLLM's argument ``name`` changes nothing here."""
-    accepted, why = VLLM_ONLY_ARGS[name]
-    if not any(value == a and type(value) is type(a) for a in accepted):
-        raise ValueError(f"{name}={value!r} is not supported: {why} (accepted: "
-                         f"{', '.join(repr(a) for a in accepted)})")

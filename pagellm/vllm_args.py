@@ -142,3 +142,21 @@ def log_ignored_engine_args(args: Any, from_hub: bool = False) -> None:
         if flag not in _logged:
             _logged.add(flag)
             logger.info("%s has no effect: %s", flag, why)
+
+
+# vLLM engine arguments that mean nothing to pagellm at the value given: name -> (the values accepted,
+# why). Scripts written for vLLM pass them; any other value is an error that says what is supported.
+VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
+    "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
+    "enable_lora": ((False,), "LoRA adapters are not supported yet"),
+    "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
+}
+
+
+def check_vllm_only_arg(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is one at which vLLM's argument ``name`` changes nothing here."""
+    accepted, why = VLLM_ONLY_ARGS[name]
+    if not any(value == a and type(value) is type(a) for a in accepted):
+        raise ValueError(f"{name}={value!r} is not supported: {why} (accepted: "
+                         f"{', '.join(repr(a) for a in accepted)})")

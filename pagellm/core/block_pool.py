@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator
 
+from pagellm.core.sched_output import OUT_OF_WINDOW_ID
+
 BlockKey = tuple  # (parent_hash or None, tuple of token ids, extra keys or None)
 
 
@@ -275,3 +277,13 @@ class BlockPool:
         for h, block in self.cached_blocks.items():
             assert block.block_hash == h, f"{block} is cached under a hash it does not carry"
             assert block.block_key is not None and hash_block_key(block.block_key) == h
+
+
+# Stands in a block table for a block that fell out of the attention window and went back to the pool:
+# the table keeps its logical positions, and the id (0) is one the kernels may read but never use.
+OUT_OF_WINDOW = KVBlock(OUT_OF_WINDOW_ID)
+
+
+def is_held(block: KVBlock) -> bool:
+    """Whether a table entry holds a block of the pool (not the out-of-window stand-in)."""
+    return block is not OUT_OF_WINDOW

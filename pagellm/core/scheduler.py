@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pagellm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.policy import SchedulingPolicy, make_policy, met_slos
+from pagellm.core.prefix_hits import prefix_hit, starts_disk_read
 from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
 from pagellm.core.runner_view import RunnerView
 from pagellm.core.sched_output import SchedulerOutput
@@ -236,8 +237,8 @@ class Scheduler:
             seats = self._seats(seq)
             if taken + seats > cfg.max_num_seqs:
                 break
-            hits = self._prefix_hit(seq)
-            if self._read_from_disk(seq, hits):
+            hits = prefix_hit(self.kv_cache_manager, seq)
+            if starts_disk_read(self.kv_cache_manager, seq, hits, self._decode_reserve()):
                 break  # admitted once its blocks are read, next step
             hit_tokens = hits.num_blocks * self.kv_cache_manager.block_size
             num_new = seq.num_tokens - seq.num_computed_tokens - hit_tokens
@@ -271,7 +272,7 @@ class Scheduler:
         head = self.waiting[0]
         key = self.policy.key
         seats = self._seats(head)
-        hits = self._prefix_hit(head)
+        hits = prefix_hit(self.kv_cache_manager, head)
         num_new = min(head.num_tokens - head.num_computed_tokens - hits.num_blocks * self.kv_cache_manager.block_size,
                       budget, chunk_cap)
 
@@ -302,28 +303,6 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         # Scheduled from the next step on; the worker copies its blocks back in this one.
         self.running.append(seq)
-
-    def _prefix_hit(self, seq: Sequence) -> KVCacheBlocks:
-        """``seq``'s prefix-cache hit, in every KV cache group (none where it must compute every token)."""
-        # Prompt logprobs need every prompt position computed: no skipping them via the cache.
-        if self._prefix_hit_barred(seq):
-            return self.kv_cache_manager.no_hit
-        return self.kv_cache_manager.find_cached_prefix(seq)
-
-    @staticmethod
-    def _prefix_hit_barred(seq: Sequence) -> bool:
-        """Whether ``seq`` must compute every prompt token (it asks for their logprobs)."""
-        request = seq.request
-        # (Positions [0, num_prompt_tokens - 1) score a token; a one-token prompt has none to skip.)
-        return request.wants_prompt_logprobs and request.num_scored_prompt_tokens < max(seq.num_prompt_tokens - 1, 1)
-
-    def _read_from_disk(self, seq: Sequence, hits: KVCacheBlocks) -> bool:
-        """Whether blocks of ``seq``'s prompt past its prefix hit are read from the disk tier this step (like
-        a swap-in, a step ahead of its admission)."""
-        kv = self.kv_cache_manager
-        if kv.disk is None or seq.num_computed_tokens or self._prefix_hit_barred(seq):
-            return False
-        return kv.start_disk_load(seq, hits, self._decode_reserve()) > 0
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens ``seq`` carries into this decode step ([] where it speculates not)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from pagellm.config import ConstraintLimits, constraint_flag
+from pagellm.constraint_limits import ConstraintLimits, constraint_flag
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import UNIMPLEMENTED, GuidanceBackend, grammar_text
 from pagellm.structured_output.limits import check_constraint

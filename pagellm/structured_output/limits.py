@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from pagellm.config import ConstraintLimits, constraint_flag
+from pagellm.constraint_limits import ConstraintLimits, constraint_flag
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.text import plural
 

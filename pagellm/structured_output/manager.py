@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pagellm.config import ConstraintLimits
+from pagellm.constraint_limits import ConstraintLimits
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar
 from pagellm.structured_output.bitmask import GrammarMask, allocate_bitmask, set_only
