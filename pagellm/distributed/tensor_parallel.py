@@ -51,6 +51,10 @@ IDLE_TIMEOUT = timedelta(days=365)
 DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# How long a failed collective waits for a dying worker's exit to show, so the error can name it.
+WORKER_EXIT_GRACE_S = 3.0
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank is gone: the engine cannot compute another step."""
 
@@ -173,17 +177,25 @@ class TensorParallelDriver:
         self._broadcast(torch.tensor([num_blocks, max_model_len, num_cpu_blocks], dtype=torch.int64))
         self.started = True
 
-    def check_workers(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            if p.poll() is not None:
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
-                                      f"{p.returncode}: the engine cannot compute another step")
+    def check_workers(self, grace_s: float = 0.0) -> None:
+        """Raise ``WorkerDiedError`` naming the first worker that has exited. ``grace_s``: how long to
+        keep looking, for the failure paths: a killed worker's sockets close before the kernel reports
+        its exit, so a collective can fail a moment before ``poll()`` can say why."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
+                                          f"{p.returncode}: the engine cannot compute another step")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         try:
             dist.broadcast(tensor, src=0, group=self.group)
         except RuntimeError as e:
-            self.check_workers()
+            self.check_workers(grace_s=WORKER_EXIT_GRACE_S)
             raise WorkerDiedError(f"a tensor-parallel rank stopped answering: {e}") from e
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -198,7 +210,7 @@ class TensorParallelDriver:
         try:
             return runner.execute(out)
         except Exception as e:
-            self.check_workers()
+            self.check_workers(grace_s=WORKER_EXIT_GRACE_S)
             raise WorkerDiedError(f"a step failed with the model split over {self.world} processes, which are "
                                   f"now out of step: {type(e).__name__}: {e}") from e
 
