@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # (a light module: no torch either way)
 # CPU, swap in: CPU -> device, copy-on-write: device -> device), each a list of (src, dst) block ids.
 BlockMoves = tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]
 
+# A draft slot of a step whose draft model proposes (``speculative_config``'s ``model``): the runner's draft
+# model fills it with its token before the step's forward pass (``worker/draft_model.py``).
+DRAFT_BY_MODEL = -1
+
 # The block id of a table entry whose block fell out of the attention window (kv_cache_manager's
 # OUT_OF_WINDOW): the kernels may read it but never use it.
 OUT_OF_WINDOW_ID = 0
@@ -116,6 +120,7 @@ class ScheduledSeq:
     fork_children: list[ForkedSeq] = field(default_factory=list)
     # Speculative decoding: draft tokens computed after the sequence's last token in this step
     # (positions start + 1, ...); num_new_tokens counts them. The worker keeps those its sampling agrees with.
+    # With a draft model, ``DRAFT_BY_MODEL`` each: the runner's draft model proposes them in the step.
     draft_token_ids: list[int] = field(default_factory=list)
 
 

@@ -1,4 +1,5 @@
-"""Speculative decoding's configuration and its n-gram proposer (vLLM's ``speculative_config``).
+"""Speculative decoding's configuration and its n-gram proposer (vLLM's ``speculative_config``); with a
+draft model, how many drafts each sequence takes into a step (the runner's draft model proposes them).
 
 A decoding sequence may carry up to ``num_speculative_tokens`` draft tokens into a step: the model
 computes its last token and the drafts together (one row each, as decodes at consecutive positions),
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagellm.core.sched_output import DRAFT_BY_MODEL
 from pagellm.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -94,6 +96,8 @@ class Speculator:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         if room <= 0:
             return []
+        if spec.uses_draft_model:  # (the runner's draft model proposes them in the step)
+            return [DRAFT_BY_MODEL] * room
         return propose_ngram(seq.prompt_token_ids + seq.output_token_ids, room, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
 

@@ -12,16 +12,15 @@ import torch
 from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs
-from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from pagellm.core.kv_cache_manager import KVCacheStats
 from pagellm.core.kv_group_manager import blocks_per_sequence
 from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
-from pagellm.core.speculation import SpeculativeConfig
 from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
-from pagellm.engine import startup, tp_worker
+from pagellm.engine import spec_decode, startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.kv_offload import open_disk_tier, save_cached_blocks
 from pagellm.engine.output_processor import OutputProcessor
@@ -39,7 +38,6 @@ from pagellm.structured_output import StructuredOutputManager
 from pagellm.text import plural
 from pagellm.vllm_args import log_ignored_engine_args
 from pagellm.worker.cpu_tuning import keep_freed_memory
-from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -190,7 +188,7 @@ class LLMEngine:
         self.kv_cache_manager.switch_length = switch_length
         budget = args.step_token_budget(self.max_model_len)
         self.eos_token_ids = startup.eos_token_ids(files.generation_config_folder, config, self.tokenizer)
-        self.speculative = speculative_config(args, self.kv_cache_manager)
+        self.speculative = spec_decode.speculative_config(args, self.kv_cache_manager)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=budget,
@@ -213,11 +211,10 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                          self.max_model_len, limits=args.constraint_limits)
         with phase("preparing the model runner"):
-            self.model_runner = ModelRunner(
-                self.model, self.cache_engine, sampler, self.device, sliding_window=sliding_window_of(config),
-                structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
-                speculative=self.speculative is not None,
-            )
+            self.model_runner = spec_decode.model_runner(
+                self.speculative, args, self.model, self.cache_engine, sampler, self.device, self.dtype, self.tokenizer,
+                self.max_model_len, sliding_window=sliding_window_of(config), structured_output=self.structured_output,
+                calculate_kv_scales=args.calculate_kv_scales)
         if args.kv_offload_dir is not None:
             with phase("opening the KV tier on disk"):
                 self.model_runner.disk_store = open_disk_tier(args, files, config, self.dtype,
@@ -480,19 +477,3 @@ class LLMEngine:
         """The request's output as it stands (an aborted one's, say)."""
         return self.output_processor.make_output(request)
 
-
-def speculative_config(args: EngineArgs, kv_cache_manager: KVCacheManager) -> SpeculativeConfig | None:
-    """``--speculative-config`` for this engine, or None; ValueError where the engine cannot speculate."""
-    if args.speculative_config is None:
-        return None
-    assert not isinstance(args.speculative_config, str)  # (EngineArgs parsed its JSON)
-    spec = SpeculativeConfig.from_dict(args.speculative_config)
-    if len(kv_cache_manager.groups) > 1:
-        raise ValueError("speculative_config: models with several KV cache groups (sliding and full-attention "
-                         "layers, as Gemma's) do not speculate yet; drop --speculative-config")
-    if args.tensor_parallel_size > 1:
-        raise ValueError("speculative_config: tensor-parallel engines do not speculate yet; drop "
-                         "--speculative-config or --tensor-parallel-size")
-    logger.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d to %d tokens)", spec.method,
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return spec

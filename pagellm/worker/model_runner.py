@@ -120,6 +120,8 @@ class ModelRunner:
             sliding_window, logit_softcap=getattr(model, "attn_logit_softcap", None)))
         self.cascade = self.attn_backend.cascade and not speculative
         self.requests = RequestStates()
+        # A draft model's distributions of this step's drafts, by sequence (worker/draft_model.py).
+        self.draft_probs: dict[int, torch.Tensor] = {}
         # The KV tier on disk (engine/kv_offload.py), where one is configured.
         self.disk_store: KVDiskStore | None = None
         model.set_attention_backend(self.attn_backend)
@@ -137,14 +139,24 @@ class ModelRunner:
         disk_failures = self.move_blocks(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(disk_load_failures=disk_failures)
-        batch = self.prepare(scheduler_output.scheduled)
+        scheduled = self.with_drafts(scheduler_output.scheduled)
+        batch = self.prepare(scheduled)
         # Constrained sequences' token masks are filled on another thread while the model runs.
         so = self.structured_output
         pending = so.start_mask(batch.sampling.seqs) if so is not None else None
         logits = self.run_model(batch)
         result = self.sample(batch.sampling, logits, pending.result() if pending is not None else None)
         result.disk_load_failures = disk_failures
+        self.kept(scheduled, result)
         return result
+
+    def with_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The step's entries with their drafts as the forward pass reads them (a draft model's runner
+        proposes them here: worker/draft_model.py)."""
+        return scheduled
+
+    def kept(self, scheduled: list[ScheduledSeq], result: ModelRunnerOutput) -> None:
+        """Told the tokens each sequence kept (a draft model's runner follows its drafts' acceptance)."""
 
     @torch.inference_mode()
     def forward_only(self, scheduler_output: SchedulerOutput) -> None:
@@ -344,7 +356,7 @@ class ModelRunner:
             result.prompt_logprobs = self.prompt_logprobs(sampling, logits[num : num + num_scored])
         at = num + num_scored
         for seq, rows, drafts in sampling.spec:
-            kept = self.sampler.verify(logits[at : at + len(rows)], seq, drafts)
+            kept = self.sampler.verify(logits[at : at + len(rows)], seq, drafts, self.draft_probs.get(seq.seq_id))
             result.samples[seq.seq_id] = kept[0]
             result.extra_samples[seq.seq_id] = kept[1:]
             at += len(rows)

@@ -82,13 +82,15 @@ class Sampler:
         assert chosen is not None  # seqs is never empty: every row is greedy or sampled
         return self._results(raw, chosen, params, fast)
 
-    def verify(self, logits: torch.Tensor, seq: SeqState, drafts: list[int]) -> list[SampleResult]:
+    def verify(self, logits: torch.Tensor, seq: SeqState, drafts: list[int],
+               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
         """Speculative decoding: ``logits`` (len(drafts) + 1, vocab) are the rows of ``seq``'s last token
         and of its drafts; returns the tokens kept, each with its row's logprobs: the drafts while they
         are what sampling would give, then one token more. Greedy rows keep a draft equal to their
-        argmax (the tokens are those of decoding one at a time); sampled rows accept draft d with
-        probability p(d) and else sample from p without d (rejection sampling against a draft that is
-        certain of its token), which leaves every kept token distributed as p."""
+        argmax (the tokens are those of decoding one at a time). Sampled rows accept draft d with
+        probability min(1, p(d) / q(d)) and else sample from max(p - q, 0) (rejection sampling), which
+        leaves every kept token distributed as p; ``draft_probs`` (len(drafts), vocab) is q, the draft
+        model's distribution each draft was drawn from; None: a draft certain of its token (n-grams)."""
         rows = [seq] * logits.shape[0]
         if seq.params.is_greedy:
             results = self(logits, rows)
@@ -101,11 +103,17 @@ class Sampler:
         tokens: list[int] = []
         for i, draft in enumerate(drafts):
             u = torch.rand(1, dtype=torch.float64, device=logits.device, generator=gen).item()
-            if u < probs[i, draft].item():
+            q = 1.0 if draft_probs is None else draft_probs[i, draft].item()
+            if u * q < probs[i, draft].item():
                 tokens.append(draft)
                 continue
             residual = probs[i : i + 1].clone()
-            residual[0, draft] = 0.0
+            if draft_probs is None:
+                residual[0, draft] = 0.0
+            else:
+                residual = (residual - draft_probs[i : i + 1]).clamp_min_(0.0)
+                if not bool(residual.sum() > 0):  # (p == q up to rounding: p itself)
+                    residual = probs[i : i + 1]
             tokens.append(int(self._draw(residual, [seq])[0]))
             break
         else:
@@ -113,6 +121,20 @@ class Sampler:
         kept_rows = logits[: len(tokens)]
         fast = native.argmax_logsumexp(kept_rows, with_lse=True) if seq.params.scores_samples else None
         return self._results(kept_rows, torch.tensor(tokens, device=logits.device), [seq.params] * len(tokens), fast)
+
+    def propose(self, logits: torch.Tensor, seqs: list[SeqState]) -> tuple[list[int], torch.Tensor | None]:
+        """A draft model's tokens, one per row of ``logits`` (one per sequence of ``seqs``): the argmax for
+        greedy sequences, else drawn from the sequence's sampling distribution q, returned too (rows of
+        greedy sequences unused; None when every sequence is greedy)."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+        if not sampled:
+            return tokens.tolist(), None
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = torch.zeros_like(logits)
+        probs[rows] = self._probs(logits[rows], [seqs[i] for i in sampled])
+        tokens[rows] = self._draw(probs[rows], [seqs[i] for i in sampled])
+        return tokens.tolist(), probs
 
     def _results(self, raw: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams],
                  fast: tuple[torch.Tensor, torch.Tensor | None] | None) -> list[SampleResult]:
