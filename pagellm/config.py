@@ -256,9 +256,10 @@ class EngineArgs:
     max_parallel_loading_workers: int | None = field(default=None, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): weights load in one pass"))
     speculative_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
-        """speculative decoding as vLLM's JSON object, e.g. '{"method": "ngram", "num_speculative_tokens": 4, """
-        """"prompt_lookup_max": 4, "prompt_lookup_min": 2}' (n-gram drafts from the sequence's own tokens; """
-        "default: none)", metavar="JSON"))
+        """speculative decoding as vLLM's JSON object: '{"method": "ngram", "num_speculative_tokens": 4, """
+        """"prompt_lookup_max": 4}' (drafts from the sequence's own tokens) or '{"model": DRAFT, """
+        """"num_speculative_tokens": 4}' (a smaller model with the same tokenizer drafts; default: none)""",
+        metavar="JSON"))
     compilation_config: dict[str, Any] | str | None = field(default=None, metadata=_flag(
         "accepted for vLLM scripts (no effect, logged): a JSON object or a level 0-3; pagellm runs eagerly",
         metavar="JSON|LEVEL"))

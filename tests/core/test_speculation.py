@@ -29,17 +29,22 @@ def test_the_configuration_takes_vllms_keys_and_defaults():
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
                                         "prompt_lookup_max": 6, "disable_by_batch_size": 4})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size) == (2, 6, 4)
+    # A "model" means a draft model, as in vLLM.
+    spec = SpeculativeConfig.from_dict({"model": "org/draft", "num_speculative_tokens": 3})
+    assert spec.uses_draft_model and spec.model == "org/draft" and spec.num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize(("raw", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, got 'eagle'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model .*got 'eagle'"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer from 1 to 32, got None"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer from 1 to 32"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) is above prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "ngram_size": 3}, "unknown key.*'ngram_size'"),
-    ({"model": "draft-folder", "num_speculative_tokens": 2}, "draft model is not supported yet"),
+    ({"model": "draft-folder", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size must be 1"),
+    ({"method": "ngram", "model": "draft-folder", "num_speculative_tokens": 2}, "unknown key.*'model'"),
 ])
 def test_a_wrong_configuration_is_named(raw, message):
     with pytest.raises(ValueError, match=message):

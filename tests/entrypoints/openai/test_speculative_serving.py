@@ -40,3 +40,22 @@ def test_a_wrong_configuration_stops_the_server_with_the_reason(llama_path):
     with pytest.raises(RuntimeError, match="num_speculative_tokens must be an integer from 1 to 32"):
         RemoteServer(llama_path, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
                      timeout=60)
+
+
+def test_a_draft_model_serves_the_plain_tokens_and_its_drafts_are_counted(llama_path):
+    draft = {"model": str(llama_path), "num_speculative_tokens": 3}  # (the target as its own draft: all kept)
+    srv = RemoteServer(llama_path, ["--max-model-len", "256", "--num-kv-blocks", "64", "--block-size", "8",
+                                    "--speculative-config", json.dumps(draft)])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        prompt = looping_prompts(2, LLM(str(llama_path), max_model_len=64).llm_engine.vocab_size)[1]
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        want = LLM(str(llama_path), max_model_len=256).generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False)[0].outputs[0].text
+        assert out.choices[0].text == want
+        drafts = srv.metric("pagellm_spec_decode_num_draft_tokens_total")
+        assert drafts > 0 and srv.metric("pagellm_spec_decode_num_accepted_tokens_total") >= 0.9 * drafts
+    finally:
+        srv.stop()
