@@ -1,6 +1,6 @@
 """Single stream on input-grounded tasks (rewrite a passage with a small edit, summarise with quotes, edit
-code): decode tok/s of pagellm without and with n-gram speculation, and of llama.cpp's server on the same
-GGUF file, same prompt tokens, greedy; checks that speculation leaves the tokens unchanged.
+code): decode tok/s of pagellm without and with speculation (n-gram, or a draft model's), and of llama.cpp's
+server on the same GGUF file, same prompt tokens, greedy; checks that speculation leaves the tokens unchanged.
 
 Each task is chat-templated once (the model's template) and sent to every backend as token ids; pagellm
 stops at the end-of-sequence token, and the other backends then generate exactly as many tokens. Decode
@@ -118,6 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model or str(embedded_gguf_path())
     spec = json.loads(args.speculative_config)
+    label = "pagellm+" + ("ngram" if spec.get("method", "ngram" if "model" not in spec else "") == "ngram" else "draft")
     plain = LLM(model, max_model_len=2048)
     speculative = LLM(model, max_model_len=2048, speculative_config=spec)
     tokenizer = plain.get_tokenizer()
@@ -129,7 +130,7 @@ def main() -> None:
     try:
         for name, prompt in prompts.items():
             pagellm_decode(plain, prompt, 8), pagellm_decode(speculative, prompt, 8)  # warm up
-            rates: dict[str, list[float]] = {"pagellm": [], "pagellm+ngram": [], "llama.cpp": []}
+            rates: dict[str, list[float]] = {"pagellm": [], label: [], "llama.cpp": []}
             same = True
             for run in range(args.runs):
                 order = ["plain", "spec"] if run % 2 == 0 else ["spec", "plain"]
@@ -137,7 +138,7 @@ def main() -> None:
                 for which in order:
                     llm = plain if which == "plain" else speculative
                     got[which], rate = pagellm_decode(llm, prompt, args.max_tokens)
-                    rates["pagellm" if which == "plain" else "pagellm+ngram"].append(rate)
+                    rates["pagellm" if which == "plain" else label].append(rate)
                 same = same and got["plain"] == got["spec"]
                 if server is not None:
                     rates["llama.cpp"].append(server.decode(prompt, len(got["plain"]))[1])
@@ -146,11 +147,12 @@ def main() -> None:
             row.update(tokens=len(got["plain"]), identical=same, runs=rates,
                        acceptance=stats.spec_decode_num_accepted_tokens / max(1, stats.spec_decode_num_draft_tokens))
             results[name] = row
-            ratio = row["pagellm+ngram"] / row["pagellm"]
-            llama = f"  llama.cpp {row['llama.cpp']:.1f} tok/s (x{row['pagellm+ngram'] / row['llama.cpp']:.2f})" \
+            ratio = row[label] / row["pagellm"]
+            llama = f"  llama.cpp {row['llama.cpp']:.1f} tok/s (x{row[label] / row['llama.cpp']:.2f})" \
                 if "llama.cpp" in row else ""
-            print(f"{name:8s} {row['tokens']:4d} tokens  pagellm {row['pagellm']:.1f} tok/s  +ngram "
-                  f"{row['pagellm+ngram']:.1f} tok/s (x{ratio:.2f}){llama}  identical={same}")
+            print(f"{name:8s} {row['tokens']:4d} tokens  pagellm {row['pagellm']:.1f} tok/s  {label} "
+                  f"{row[label]:.1f} tok/s (x{ratio:.2f}){llama}  identical={same}  "
+                  f"accepted {row['acceptance']:.0%}")
     finally:
         if server is not None:
             server.close()

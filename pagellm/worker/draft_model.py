@@ -86,13 +86,27 @@ class DraftModelRunner(ModelRunner):
         for it in scheduled:
             begin = min(self.behind.pop(it.seq_id, it.start), it.start)
             end = it.start + it.num_new_tokens - len(it.draft_token_ids)
-            items.append(ScheduledSeq(it.seq_id, begin, end - begin, it.seq_id in wanted))
+            if begin == it.start - 1 and end == it.start + 1:
+                # Two decode rows, as the target computed them (a draft after the position behind):
+                # the draft's K/V is then the target's own where the draft is the target.
+                last = self.requests[it.seq_id].token_slice(it.start, end)
+                items.append(ScheduledSeq(it.seq_id, begin, 2, False, draft_token_ids=last))
+            else:
+                items.append(ScheduledSeq(it.seq_id, begin, end - begin, it.seq_id in wanted))
         batch = self.draft.prepare(items)
         if not wanted:  # (the draft's K/V only)
             self.draft.model(batch.input_ids, batch.positions, self.draft.cache_engine.kv_caches, batch.attn)
             return scheduled
-        seqs = batch.sampling.seqs
-        tokens, probs = self.sampler.propose(self._fit(self.draft.run_model(batch)), seqs)
+        # Each speculating sequence's last row: the sampled rows, then the two-row decodes (model_runner's order).
+        sampling = batch.sampling
+        row_of = {s.seq_id: i for i, s in enumerate(sampling.seqs)}
+        at = len(sampling.rows) + len(sampling.lp_rows)
+        for state, rows, _ in sampling.spec:
+            at += len(rows)
+            row_of[state.seq_id] = at - 1
+        seqs = [self.requests[seq_id] for seq_id in wanted]
+        logits = self.draft.run_model(batch)[long_tensor([row_of[s.seq_id] for s in seqs], self.device)]
+        tokens, probs = self.sampler.propose(self._fit(logits), seqs)
         drafts: dict[int, list[int]] = {s.seq_id: [t] for s, t in zip(seqs, tokens)}
         q_rows: dict[int, list[torch.Tensor]] = {s.seq_id: [] if probs is None else [probs[i]]
                                                  for i, s in enumerate(seqs)}
