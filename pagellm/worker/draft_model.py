@@ -101,8 +101,8 @@ class DraftModelRunner(ModelRunner):
         sampling = batch.sampling
         row_of = {s.seq_id: i for i, s in enumerate(sampling.seqs)}
         at = len(sampling.rows) + len(sampling.lp_rows)
-        for state, rows, _ in sampling.spec:
-            at += len(rows)
+        for state, spec_rows, _ in sampling.spec:
+            at += len(spec_rows)
             row_of[state.seq_id] = at - 1
         seqs = [self.requests[seq_id] for seq_id in wanted]
         logits = self.draft.run_model(batch)[long_tensor([row_of[s.seq_id] for s in seqs], self.device)]
