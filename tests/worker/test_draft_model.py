@@ -160,3 +160,23 @@ def test_a_draft_with_another_tokenizer_or_no_model_is_refused(llama_path, tmp_p
     with pytest.raises(ValueError, match="unknown key.*prompt_lookup_max"):
         EngineArgs(model=str(llama_path), speculative_config=json.dumps(
             {"model": str(llama_path), "num_speculative_tokens": 2, "prompt_lookup_max": 3}))
+
+
+def test_constrained_penalised_and_beam_searched_requests_decode_beside_drafting_ones(engines):
+    from pagellm import BeamSearchParams
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    plain, itself, _ = engines
+    prompts = looping_prompts(3, plain.llm_engine.vocab_size)
+    params = [SamplingParams(temperature=0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    want, want_outs = run(plain, prompts, params)
+    got, got_outs = run(itself, prompts, params)
+    assert got == want and got_outs[0].outputs[0].text in ("alpha", "beta")
+    beams = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    as_beams = [{"prompt_token_ids": p} for p in prompts[:2]]
+    assert [[s.tokens for s in o.sequences] for o in itself.beam_search(as_beams, beams)] == \
+        [[s.tokens for s in o.sequences] for o in plain.beam_search(as_beams, beams)]
+    assert_all_blocks_free(itself)
