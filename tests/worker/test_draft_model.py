@@ -84,17 +84,20 @@ def test_a_smaller_draft_changes_no_token_cached_forked_or_stopped(engines):
 def test_chunked_prefill_and_preemption_with_a_draft_model_give_the_plain_tokens(llama_path, small_draft):
     # A pool too small for every sequence at once: sequences are preempted (swapped and recomputed) and
     # come back, the draft's K/V with them.
-    kwargs = dict(max_model_len=256, num_kv_blocks=40, block_size=8, prefill_chunk_size=16, seed=0, swap_space=0.001)
+    kwargs = dict(max_model_len=256, num_kv_blocks=40, block_size=8, prefill_chunk_size=16, seed=0)
     prompts = looping_prompts(8, LLM(str(llama_path), max_model_len=64).llm_engine.vocab_size)
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want, _ = run(LLM(str(llama_path), **kwargs), prompts, greedy)
-    for draft in (llama_path, small_draft):
-        llm = LLM(str(llama_path), speculative_config=spec(llama_path, draft), **kwargs)
+    for draft, mode in ((llama_path, "swap"), (llama_path, "recompute"), (small_draft, "auto")):
+        llm = LLM(str(llama_path), speculative_config=spec(llama_path, draft), preemption_mode=mode, **kwargs)
         got, _ = run(llm, prompts, greedy)
         assert got == want
-        assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+        stats = llm.llm_engine.scheduler.stats
+        assert (stats.num_swap_outs if mode == "swap" else stats.num_preemptions) > 0
+        assert mode != "recompute" or stats.num_recomputes > 0
+        if draft == llama_path:  # (the target as its own draft keeps nearly every draft, through preemptions too)
+            assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
         assert_all_blocks_free(llm)
-    assert llm.llm_engine.get_stats().spec_decode_num_draft_tokens > 0
 
 
 def test_rejection_against_the_drafts_distribution_keeps_the_targets():
