@@ -112,11 +112,14 @@ def run_rag(args: argparse.Namespace, w1_model: Path, w1: Workload, engine_kwarg
               f"({run['ttft_ratio']:.1f}x); outputs identical {run['identical']}/{workload.num_requests}; W1 "
               f"{run['w1_tok_s_no_tier']:.1f} tok/s without the tier, {run['w1_tok_s_empty_tier']:.1f} with an "
               f"empty one ({run['miss_cost']:+.1%})", flush=True)
+        if r + 1 < args.repeats:  # (a long benchmark: what is done so far is kept if it is stopped)
+            report(args, workload, model, runs, final=False)
     return report(args, workload, model, runs)
 
 
-def report(args: argparse.Namespace, workload: Workload, model: Path, runs: list[dict[str, Any]]) -> int:
-    """Print the medians and ratios, write the JSON; 0."""
+def report(args: argparse.Namespace, workload: Workload, model: Path, runs: list[dict[str, Any]],
+           final: bool = True) -> int:
+    """Print the medians and ratios (``final``), write the JSON of the runs so far; 0."""
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
@@ -133,6 +136,16 @@ def report(args: argparse.Namespace, workload: Workload, model: Path, runs: list
         "cold_load_s": statistics.median(r["cold"]["load_s"] for r in runs),
     }
     n = len(runs)
+    stem = f"throughput-rag-{model.stem if model.is_file() else model.name}"
+    payload = {"command": "throughput", "workload": {"name": "rag", "num_requests": workload.num_requests,
+                                                     "prompt_tokens": workload.prompt_tokens, **workload.meta},
+               "model": model.name, "dtype": args.dtype, "repeats": n, "summary": summary,
+               "runs": [{k: v for k, v in r.items() if k not in ("cold", "warm")}
+                        | {"cold": _brief(r["cold"]), "warm": _brief(r["warm"])} for r in runs],
+               "date": time.strftime("%Y-%m-%d")}
+    written = write_json(args.output_dir / f"{stem}.json", payload)
+    if not final:
+        return 0
     print(f"\nmedian of {n}: mean TTFT cold {summary['ttft_cold_s']:.3f} s, warm tier {summary['ttft_warm_s']:.3f} s: "
           f"{summary['ttft_ratio']:.1f}x lower (target >= 5x); first question about each document "
           f"{summary['ttft_first_cold_s']:.3f} s vs {summary['ttft_first_warm_s']:.3f} s "
@@ -142,14 +155,7 @@ def report(args: argparse.Namespace, workload: Workload, model: Path, runs: list
     print(f"tier cost when every lookup misses (W1): {summary['w1_tok_s_no_tier']:.1f} tok/s without, "
           f"{summary['w1_tok_s_empty_tier']:.1f} with an empty tier: {summary['miss_cost']:+.1%} "
           f"(target < 3%); tier filled {summary['tier_bytes'] / 2**20:.0f} MiB")
-    payload = {"command": "throughput", "workload": {"name": "rag", "num_requests": workload.num_requests,
-                                                     "prompt_tokens": workload.prompt_tokens, **workload.meta},
-               "model": model.name, "dtype": args.dtype, "repeats": n, "summary": summary,
-               "runs": [{k: v for k, v in r.items() if k not in ("cold", "warm")}
-                        | {"cold": _brief(r["cold"]), "warm": _brief(r["warm"])} for r in runs],
-               "date": time.strftime("%Y-%m-%d")}
-    stem = f"throughput-rag-{model.stem if model.is_file() else model.name}"
-    print(f"\nwrote {write_json(args.output_dir / f'{stem}.json', payload)}")
+    print(f"\nwrote {written}")
     return 0
 
 
