@@ -207,3 +207,42 @@ def run_hf_cb(model: Path, workload: Workload, dtype: str) -> BackendResult:
                              skipped=f"transformers continuous batching failed: {e}")
     return BackendResult("hf-cb", elapsed, workload.num_requests, workload.prompt_tokens, produced,
                          detail={"transformers": transformers.__version__})
+
+
+def run_pagellm_one_by_one(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any],
+                           label: str = "pagellm") -> dict[str, Any]:
+    """Greedy requests on pagellm one at a time, as a user waiting for each answer sends them (TTFT
+    without queueing); then the engine stops (``LLM.shutdown``: the KV tier on disk, if any, gets the
+    cached blocks). Returns the load and run times, each request's TTFT and tokens, and the tier's
+    counters."""
+    from pagellm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    longest = max(len(p) for p in workload.prompts) + max(workload.output_lens)
+    llm = LLM(str(model), max_model_len=longest, dtype=dtype, **engine_kwargs)
+    # Warm-up on a prompt shorter than a block: nothing of it is cached, in memory or on disk.
+    llm.generate([workload.prompts[0][:4]], SamplingParams(max_tokens=2), use_tqdm=False)
+    load_s = time.perf_counter() - t0
+    ttfts: list[float] = []
+    tokens: list[list[int]] = []
+    t0 = time.perf_counter()
+    with progress(label, workload.num_requests) as bar:
+        for prompt, out_len in zip(workload.prompts, workload.output_lens):
+            out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=out_len), use_tqdm=False)[0]
+            assert out.metrics is not None and out.metrics.time_to_first_token is not None
+            ttfts.append(out.metrics.time_to_first_token)
+            tokens.append(list(out.outputs[0].token_ids))
+            bar.update(1)
+    elapsed = time.perf_counter() - t0
+    engine = llm.llm_engine
+    disk, store = engine.kv_cache_manager.disk, engine.model_runner.disk_store
+    tier = {} if disk is None or store is None else {
+        "disk_hit_blocks": disk.hit_blocks, "bytes_read": store.bytes_read, "failed_reads": disk.failed_reads}
+    hit_rate = llm.kv_cache_stats().prefix_cache_hit_rate
+    t0 = time.perf_counter()
+    llm.shutdown()
+    shutdown_s = time.perf_counter() - t0
+    if store is not None:
+        tier["bytes_written"] = store.bytes_written
+    return {"load_s": load_s, "elapsed_s": elapsed, "shutdown_s": shutdown_s, "ttft_s": ttfts, "tokens": tokens,
+            "prefix_cache_hit_rate": hit_rate, **tier}

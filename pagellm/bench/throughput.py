@@ -13,6 +13,7 @@ import torch
 from pagellm.bench import backends as be
 from pagellm.bench import llama_cpp
 from pagellm.bench.kv_strip import plot_kv_strip
+from pagellm.bench.rag import add_rag_args, check_rag_args, run_rag
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
 from pagellm.bench.workloads import (
@@ -46,7 +47,10 @@ def add_common_args(p: argparse.ArgumentParser, extra_workloads: tuple[str, ...]
     p.add_argument("--workload", default="random", choices=("random", "shared-prefix", "parallel", *extra_workloads),
                    help="random prompts; prompts sharing a --prefix-len prefix; or --n samples per prompt"
                         + ("; json-schema: random prompts, every other one constrained to a JSON schema"
-                           if "json-schema" in extra_workloads else ""))
+                           if "json-schema" in extra_workloads else "")
+                        + ("; rag: questions about long documents on --model (default: the embedded model), "
+                           "cold against a KV tier on disk warm from an earlier process, and the tier's cost on "
+                           "W1 (--model-preset) when it never hits" if "rag" in extra_workloads else ""))
     p.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens every prompt starts with")
     p.add_argument("--n", type=int, default=4, help="parallel: samples per prompt")
     p.add_argument("--block-size", type=int, default=16, help="pagellm: tokens per KV block (default 16)")
@@ -156,7 +160,8 @@ def engine_kwargs(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput against transformers (hf, hf-batched, hf-cb) and, "
                                           "on a GGUF file, llama.cpp")
-    add_common_args(p, extra_workloads=("json-schema",))
+    add_common_args(p, extra_workloads=("json-schema", "rag"))
+    add_rag_args(p)
     p.add_argument("--backend", action="append", choices=be.BACKENDS, default=None,
                    help="repeatable; default: pagellm and " + ", ".join(be.HF_BACKENDS) + " on a folder, pagellm "
                         "and llama.cpp on a GGUF --model (llama.cpp: one request at a time, through "
@@ -172,6 +177,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "rag":  # (--model is the documents' model; W1 runs on --model-preset)
+        set_threads(args.threads)
+        check_rag_args(args)
+        check_common_args(argparse.Namespace(**{**vars(args), "model": None}))
+        if args.model:
+            resolve_model_files(args.model)
+        check_output_dir(args.output_dir)
+        w1 = random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
+                             MODEL_PRESETS[args.model_preset][1]["vocab_size"], args.seed, name="random")
+        return run_rag(args, bench_model_path(args.model_preset, args.dtype), w1, engine_kwargs(args))
     gguf = bool(args.model) and is_gguf_file(args.model)
     backends = args.backend or (["pagellm", llama_cpp.NAME] if gguf else ["pagellm", *be.HF_BACKENDS])
     if len(set(backends)) != len(backends):

@@ -4,7 +4,8 @@ Only the files a model needs come down (its config, tokenizer and generation con
 safetensors or one GGUF file), into the hub's own cache (``HF_HUB_CACHE``, or ``--download-dir``), so
 other tools share them. ``HF_TOKEN`` (or ``--hf-token``), ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE=1``
 (the cache only, never the network) are honoured, as ``huggingface_hub`` itself honours them; a file
-whose transfer breaks is resumed where it stopped. A GGUF repository's file is picked by the
+whose transfer breaks is resumed where it stopped, by the same start or, for the weights, by the next
+one (``hub_resume.py``). A GGUF repository's file is picked by the
 quantization after a colon (llama.cpp's ``-hf ORG/NAME-GGUF:Q4_K_M``), by ``--gguf-file``, or else
 is its Q4_K_M, else the smallest of at least 4 bits.
 
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pagellm.model.hub_resume import DownloadInterrupted, fetch_weights
 
 if TYPE_CHECKING:
     from pagellm.config import EngineArgs
@@ -79,8 +82,12 @@ def download_model(model: str, settings: HubSettings) -> Path:
     repo_id, _, tag = model.partition(":")
     revision = settings.revision or "main"
     offline = _offline()
-    files = None if offline else _call(repo_id, revision, lambda: _list_files(repo_id, settings))
+    listing = None if offline else _call(repo_id, revision, lambda: _list_files(repo_id, settings))
+    files = listing[0] if listing is not None else None
     patterns = _patterns(repo_id, files, tag or None, settings.gguf_file) if files is not None else None
+    if listing is not None and listing[1]:  # the weights first, resumable across starts (hub_resume.py)
+        _call(repo_id, revision, lambda: fetch_weights(repo_id, listing[1], list(listing[0]), patterns,
+                                                         _storage(settings), _endpoint(), settings.token))
     folder = Path(_call(repo_id, revision, lambda: _snapshot(repo_id, settings, patterns, offline)))
     ggufs = sorted(folder.rglob("*.gguf"))
     if patterns is not None:
@@ -105,13 +112,20 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _list_files(repo_id: str, settings: HubSettings) -> dict[str, int]:
-    """The repository's files at the revision, with their sizes."""
+def _list_files(repo_id: str, settings: HubSettings) -> tuple[dict[str, int], str | None]:
+    """The repository's files at the revision, with their sizes; the revision's commit."""
     from huggingface_hub import HfApi
 
     info = HfApi(endpoint=_endpoint()).model_info(repo_id, revision=settings.revision, files_metadata=True,
                                                   token=settings.token)
-    return {s.rfilename: s.size or 0 for s in info.siblings or []}
+    return {s.rfilename: s.size or 0 for s in info.siblings or []}, info.sha
+
+
+def _storage(settings: HubSettings) -> str:
+    """The hub cache the files go to: --download-dir, HF_HUB_CACHE (or HF_HOME's), or the default."""
+    from huggingface_hub import constants
+
+    return settings.cache_dir or _cache_dir() or constants.HF_HUB_CACHE
 
 
 def _snapshot(repo_id: str, settings: HubSettings, patterns: list[str] | None, offline: bool) -> str:
@@ -208,6 +222,9 @@ def _call(repo_id: str, revision: str, fn: Any) -> Any:
 
     try:
         return fn()
+    except DownloadInterrupted as e:
+        raise HubError(f"{repo_id}: {e}. The {e.kept} bytes that arrived are kept in the hub cache ({e.partial}): "
+                       "start again (the same command) to resume the download where it stopped") from e
     except errors.GatedRepoError as e:
         raise HubError(f"{repo_id}: 401 unauthorized: the repository is gated or private; accept its terms on the "
                        "hub, then set HF_TOKEN (or pass --hf-token, or run `hf auth login`)") from e

@@ -1,7 +1,8 @@
 """A local model hub for tests: the HTTP endpoints ``huggingface_hub`` downloads through (a model's
 info with its files, ``resolve`` with ETags and commit headers, byte ranges), serving repositories from
 folders, selected with ``HF_ENDPOINT``. It can refuse a repository without a token (a gated one),
-answer 404 for what it lacks, and cut a file's first transfer short (an interrupted download)."""
+answer 404 for what it lacks, cut a file's first transfer short (an interrupted download) and then go
+down (503) until told otherwise (a download the next start must finish)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class LocalHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     # file name -> bytes to send before cutting the connection, once per file
     cut_once: dict[str, int] = field(default_factory=dict)
+    # After a cut, the hub goes down (503 to everything) until ``down`` is set back to False: the
+    # client's own retries fail too, and the download must wait for the next start.
+    down_after_cut: bool = False
+    down: bool = False
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # (method, path, Range)
     server_url: str = ""
 
@@ -66,6 +71,8 @@ class LocalHub:
     def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(urlparse(h.path).path)
         self.requests.append((h.command, path, h.headers.get("Range")))
+        if self.down:
+            return self.error(h, 503, "ServiceUnavailable", "the hub is down")
         info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if info:
             return self.info(h, info.group(1), info.group(2) or "main")
@@ -145,6 +152,7 @@ class LocalHub:
         if cut is not None:
             h.wfile.write(data[start:start + cut])
             h.wfile.flush()
+            self.down = self.down_after_cut
             h.close_connection = True
             h.connection.shutdown(2)
             return

@@ -148,17 +148,53 @@ def test_a_full_disk_is_said_and_leaves_no_half_model(hub, small_disk):
     with pytest.raises(HubError, match="disk filled up.*--download-dir"):
         download_model("org/tiny", HubSettings(cache_dir=str(small_disk)))
     assert not list(small_disk.rglob("snapshots/*/model.safetensors"))
+    assert not list(small_disk.rglob("*.incomplete"))  # nor a part of it taking the little room left
 
 
-def run_cli(hub, tmp_path, *args: str):
+def run_cli(hub, tmp_path, *args: str, chunk_size: int | None = None):
+    """``pagellm ARGS`` in a new process on the local hub; ``chunk_size``: huggingface_hub's download
+    chunks (smaller than a cut, so that what arrived before it reaches the disk: real files are far
+    larger than its chunks)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "HF_ENDPOINT": hub.server_url, "HF_HUB_CACHE": str(tmp_path / "cache")}
     env.pop("HF_HUB_OFFLINE", None)
-    return subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    command = ["-m", "pagellm.entrypoints.cli"]
+    if chunk_size is not None:
+        command = ["-c", "import sys, huggingface_hub.constants as c; "
+                         f"c.DOWNLOAD_CHUNK_SIZE = {chunk_size}; "
+                         "from pagellm.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))"]
+    return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_an_interrupted_download_is_resumed_by_the_next_start(hub, tmp_path):
+    # The first start: the hub cuts the weights after 4096 bytes, then answers 503 to everything (the
+    # client's own retry fails too); the start fails, says so, and keeps what arrived.
+    hub.cut_once["model.safetensors"] = 4096
+    hub.down_after_cut = True
+    generate = ("generate", "--model", "org/tiny", "--max-model-len", "64", "--max-tokens", "4", "--temperature",
+                "0", "Hello")
+    first = run_cli(hub, tmp_path, *generate, chunk_size=1024)
+    source = hub.repos["org/tiny"].folder / "model.safetensors"
+    assert first.returncode == 2, first.stderr
+    assert f"broke off after 4096 of {source.stat().st_size} bytes" in first.stderr
+    assert "start again (the same command) to resume" in first.stderr and "Traceback" not in first.stderr
+    cache = tmp_path / "cache"
+    (partial,) = cache.rglob("blobs/*.incomplete")
+    assert partial.read_bytes() == source.read_bytes()[:4096]
+    assert not list(cache.rglob("snapshots/*/model.safetensors"))  # nothing half there for a start to read
+    # The second start asks for the rest only, and loads the model.
+    hub.down = False
+    hub.requests.clear()
+    second = run_cli(hub, tmp_path, *generate, chunk_size=1024)
+    assert second.returncode == 0, second.stderr
+    url = f"/org/tiny/resolve/{hub.repos['org/tiny'].sha}/model.safetensors"
+    assert [r for r in hub.requests if r[:2] == ("GET", url)] == [("GET", url, "bytes=4096-")]
+    (snapshot,) = (cache / "models--org--tiny" / "snapshots").iterdir()
+    assert (snapshot / "model.safetensors").read_bytes() == source.read_bytes()
+    assert not list(cache.rglob("*.incomplete"))
 
 
 def test_the_command_line_takes_model_ids_and_says_what_is_wrong(hub, tmp_path):
