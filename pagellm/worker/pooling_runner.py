@@ -10,6 +10,7 @@ import torch
 
 from pagellm.core.pooling_scheduler import PoolingInput
 from pagellm.model.bert import BertModel
+from pagellm.model.decoder_pooling import DecoderPoolingModel
 from pagellm.model.pooler import PoolingConfig, normalize, pool
 
 # What a step computes for its inputs: embeddings, or the classifier's outputs (classify: probabilities,
@@ -54,7 +55,8 @@ def length_groups(lengths: Sequence[int], slack: float = 1.25, min_pad: int = 8)
 
 
 class PoolingRunner:
-    def __init__(self, model: BertModel, pooling: PoolingConfig, device: torch.device, pad_token_id: int = 0) -> None:
+    def __init__(self, model: BertModel | DecoderPoolingModel, pooling: PoolingConfig, device: torch.device,
+                 pad_token_id: int = 0) -> None:
         self.model = model
         self.pooling = pooling
         self.device = device
