@@ -22,6 +22,7 @@ from pagellm.model import loader
 from pagellm.model.bert import BertModel
 from pagellm.model.decoder_pooling import DecoderPoolingModel, load_decoder_pooler
 from pagellm.model.encoders import ENCODER_REGISTRY, encoder_class_for, load_encoder
+from pagellm.model.gguf_encoder import encoder_folder, gguf_encoder_architecture
 from pagellm.model.hf_overrides import apply_hf_overrides
 from pagellm.model.pooler import read_pooling_config
 from pagellm.outputs import PoolingOutput, PoolingRequestOutput
@@ -48,7 +49,9 @@ class PoolingEngine:
             raise ValueError("--runner pooling runs on one process: --tensor-parallel-size 1")
         self.args = args
         self.task = task  # embed or classify: what the model was converted to
-        folder = loader.check_model_folder(args.model)
+        # A GGUF file of a bert / nomic-bert embedder becomes a Hugging Face folder (gguf_encoder.py).
+        folder = (encoder_folder(Path(args.model).expanduser()) if gguf_encoder_architecture(args.model)
+                  else loader.check_model_folder(args.model))
         self.model_path = folder
         assert not isinstance(args.hf_overrides, str)  # (EngineArgs parsed its JSON)
         self.model_config = config = apply_hf_overrides(loader.load_config(folder), args.hf_overrides)

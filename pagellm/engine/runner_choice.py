@@ -8,6 +8,7 @@ from pathlib import Path
 from pagellm.config import EngineArgs
 from pagellm.model.decoder_pooling import DECODER_CLASSIFIERS, is_decoder_architecture
 from pagellm.model.encoders import ENCODER_REGISTRY, folder_architectures
+from pagellm.model.gguf_encoder import gguf_encoder_architecture
 from pagellm.model.registry import MODEL_REGISTRY
 
 _TASKS = {"generate": ("generate", "auto"), "embed": ("pooling", "embed"), "embedding": ("pooling", "embed"),
@@ -33,6 +34,8 @@ def _architectures(args: EngineArgs, folder: Path | None) -> list[str]:
     overrides = args.hf_overrides if isinstance(args.hf_overrides, dict) else {}
     if isinstance(overrides.get("architectures"), list):
         return [str(a) for a in overrides["architectures"]]
+    if folder is not None and (gguf_arch := gguf_encoder_architecture(folder)) is not None:
+        return ["BertModel" if gguf_arch == "bert" else "NomicBertModel"]  # (gguf_encoder.py's folder)
     return folder_architectures(folder) if folder is not None and folder.is_dir() else []
 
 
@@ -53,11 +56,13 @@ def pooling_task(args: EngineArgs) -> str | None:
         if convert not in ("auto", "none"):
             raise ValueError(f"--convert {convert} applies to --runner pooling")
         return None
-    if not (encoder or is_decoder_architecture(archs)) or folder is None or not folder.is_dir():
-        what = ", ".join(archs) if archs else "the default model" if folder is None else "a GGUF file or unknown model"
+    if not (encoder or (is_decoder_architecture(archs) and folder is not None and folder.is_dir())):
+        what = ("the default model" if folder is None else "a GGUF file of a generative model" if folder.is_file()
+                else ", ".join(archs) or "an unknown model")
         raise ValueError(f"--runner pooling runs encoder models ({', '.join(sorted(ENCODER_REGISTRY))}) and "
                          f"decoders ({', '.join(sorted(MODEL_REGISTRY))}, {', '.join(sorted(DECODER_CLASSIFIERS))}) "
-                         f"from a model folder; {args.model or 'the default model'} is {what}")
+                         f"from a model folder, and GGUF files of bert and nomic-bert; "
+                         f"{args.model or 'the default model'} is {what}")
     overrides = args.hf_overrides if isinstance(args.hf_overrides, dict) else {}
     classifier = (decoder_classifier or bool(overrides.get("classifier_from_token"))
                   or any(ENCODER_REGISTRY[a].is_classifier for a in archs if a in ENCODER_REGISTRY))
