@@ -197,7 +197,7 @@ def _report(args: argparse.Namespace, model: Path, threads: int, passages: list[
     ours = max((v for k, v in medians.items() if k.startswith("pagellm")), default=float("nan"))
     theirs = max((v for k, v in medians.items() if k.startswith("sentence")), default=None)
     p50 = _median([x["p50_ms"] for x in results.get("pagellm query", [])])
-    print("\n| backend | passages/s (median of %d) |" % args.runs)
+    print(f"\n| backend | passages/s (median of {args.runs}) |")
     print("| --- | --- |")
     for name, value in medians.items():
         print(f"| {name} | {value:.1f} |")

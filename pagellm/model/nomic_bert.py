@@ -127,6 +127,7 @@ class NomicBertModel(BertModel):
     """The encoder; ``forward`` returns the last hidden states ``[batch, length, hidden]``."""
 
     prefix = "nomic_bert"
+    packs_inputs = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         nn.Module.__init__(self)  # not BERT's modules: Nomic's own

@@ -10,6 +10,7 @@ import torch
 
 from pagellm.core.pooling_scheduler import PoolingInput
 from pagellm.model.bert import BertModel
+from pagellm.model.bert_packed import length_groups
 from pagellm.model.decoder_pooling import DecoderPoolingModel
 from pagellm.model.pooler import PoolingConfig, normalize, pool
 
@@ -41,19 +42,6 @@ def _activate(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def length_groups(lengths: Sequence[int], slack: float = 1.25, min_pad: int = 8) -> list[list[int]]:
-    """The inputs' indices grouped by length, shortest first: a group's longest input is at most ``slack``
-    times its shortest plus ``min_pad`` tokens, so padding wastes little of a forward pass."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and lengths[i] <= lengths[groups[-1][0]] * slack + min_pad:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 class PoolingRunner:
     def __init__(self, model: BertModel | DecoderPoolingModel, pooling: PoolingConfig, device: torch.device,
                  pad_token_id: int = 0) -> None:
@@ -83,7 +71,8 @@ class PoolingRunner:
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
         rows: list[list[float]] = [[] for _ in batch]
-        for group in length_groups([item.num_tokens for item in batch]):
+        whole = getattr(self.model, "packs_inputs", False)
+        for group in [list(range(len(batch)))] if whole else length_groups([item.num_tokens for item in batch]):
             for i, row in zip(group, self._run([batch[i] for i in group], task)):
                 rows[i] = row
         return rows
