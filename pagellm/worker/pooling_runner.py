@@ -17,6 +17,9 @@ from pagellm.model.pooler import PoolingConfig, normalize, pool
 # What a step computes for its inputs: embeddings, or the classifier's outputs (classify: probabilities,
 # score: the cross-encoder's activation, as sentence-transformers' CrossEncoder.predict applies it).
 POOLING_TASKS = ("embed", "classify", "score")
+# A step of at most this many tokens runs on one thread: its matrices are too small for a second thread to
+# gain what synchronising the threads at every operation costs (on a busy machine, many times the work).
+SMALL_STEP_TOKENS = 128
 
 
 def score_activation(config: object) -> str:
@@ -66,10 +69,21 @@ class PoolingRunner:
         return ids.to(self.device), types.to(self.device), mask.to(self.device)
 
     def run(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
-        """Per input of ``batch``, its ``task``'s output: inputs of like lengths padded together (sorted by
-        length, as sentence-transformers sorts its batches), one forward pass per group."""
+        """Per input of ``batch``, its ``task``'s output: one forward pass where the model takes inputs of
+        any lengths at once (``packs_inputs``: BERT's grouped rows), else one per group of like lengths
+        (sorted by length, as sentence-transformers sorts its batches); a small step on one thread."""
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
+        threads = torch.get_num_threads()
+        if threads > 1 and sum(item.num_tokens for item in batch) <= SMALL_STEP_TOKENS:
+            torch.set_num_threads(1)
+            try:
+                return self._run_groups(batch, task)
+            finally:
+                torch.set_num_threads(threads)
+        return self._run_groups(batch, task)
+
+    def _run_groups(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
         rows: list[list[float]] = [[] for _ in batch]
         whole = getattr(self.model, "packs_inputs", False)
         for group in [list(range(len(batch)))] if whole else length_groups([item.num_tokens for item in batch]):
