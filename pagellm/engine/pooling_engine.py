@@ -19,7 +19,11 @@ from pagellm.core.pooling_scheduler import PoolingInput, PoolingScheduler
 from pagellm.engine import startup
 from pagellm.engine.phases import phase
 from pagellm.model import loader
-from pagellm.model.encoders import encoder_class_for, load_encoder
+from pagellm.model.bert import BertModel
+from pagellm.model.decoder_pooling import DecoderPoolingModel, load_decoder_pooler
+from pagellm.model.encoders import ENCODER_REGISTRY, encoder_class_for, load_encoder
+from pagellm.model.gguf_encoder import encoder_folder, gguf_encoder_architecture
+from pagellm.model.hf_overrides import apply_hf_overrides
 from pagellm.model.pooler import read_pooling_config
 from pagellm.outputs import PoolingOutput, PoolingRequestOutput
 from pagellm.worker.pooling_runner import POOLING_TASKS, PoolingRunner
@@ -45,19 +49,31 @@ class PoolingEngine:
             raise ValueError("--runner pooling runs on one process: --tensor-parallel-size 1")
         self.args = args
         self.task = task  # embed or classify: what the model was converted to
-        folder = loader.check_model_folder(args.model)
+        # A GGUF file of a bert / nomic-bert embedder becomes a Hugging Face folder (gguf_encoder.py).
+        folder = (encoder_folder(Path(args.model).expanduser()) if gguf_encoder_architecture(args.model)
+                  else loader.check_model_folder(args.model))
         self.model_path = folder
-        self.model_config = config = loader.load_config(folder)
-        encoder_class = encoder_class_for(getattr(config, "architectures", None))
+        assert not isinstance(args.hf_overrides, str)  # (EngineArgs parsed its JSON)
+        self.model_config = config = apply_hf_overrides(loader.load_config(folder), args.hf_overrides)
+        archs = list(getattr(config, "architectures", None) or [])
+        # An encoder's own class, else one of the Llama family's decoders run whole (decoder_pooling.py).
+        model_class = (encoder_class_for(archs) if any(a in ENCODER_REGISTRY for a in archs)
+                       else DecoderPoolingModel)
         self.device = loader.resolve_device(args.device)
         self.dtype = loader.resolve_dtype(args.dtype, folder, self.device)
-        self.pooling = read_pooling_config(folder)
-        self.max_model_len = self._max_model_len(encoder_class.max_positions(config), args.max_model_len)
+        # vLLM's default pooling: CLS for encoders, the last token for decoders (both normalised).
+        self.pooling = read_pooling_config(folder, "lasttoken" if model_class is DecoderPoolingModel else "cls")
+        self.max_model_len = self._max_model_len(model_class.max_positions(config), args.max_model_len)
         self.tokenizer = startup.load_tokenizer(args.tokenizer or str(folder))
         self.vocab_size = int(config.vocab_size)
         torch.manual_seed(args.seed)
         with phase("loading the weights"):
-            model = load_encoder(folder, config, self.dtype, self.device, args.load_format, args.seed)
+            model: BertModel | DecoderPoolingModel
+            if model_class is DecoderPoolingModel:
+                model = load_decoder_pooler(folder, config, self.dtype, self.device, self.tokenizer,
+                                            task == "classify", args.load_format)
+            else:
+                model = load_encoder(folder, config, self.dtype, self.device, args.load_format, args.seed)
         pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
         self.runner = PoolingRunner(model, self.pooling, self.device, int(pad))
         budget = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
@@ -65,7 +81,7 @@ class PoolingEngine:
         self._requests: dict[str, tuple[str, list[int]]] = {}  # id -> (task, prompt tokens)
         self.hidden_size = int(config.hidden_size)
         logger.info("pooling runner: %s (%s), %s pooling%s, max_model_len=%d", Path(args.model).name,
-                    encoder_class.__name__, self.pooling.mode, " + normalize" if self.pooling.normalize else "",
+                    model_class.__name__, self.pooling.mode, " + normalize" if self.pooling.normalize else "",
                     self.max_model_len)
 
     def _max_model_len(self, positions: int, asked: int | None) -> int:

@@ -148,11 +148,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory")
-    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="{throughput,latency,serve,memory}")
-    from pagellm.bench import latency, memory, serve, throughput  # torch: only for `pagellm bench ...`
+    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory, embed")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True,
+                                 metavar="{throughput,latency,serve,memory,embed}")
+    from pagellm.bench import embed, latency, memory, serve, throughput  # torch: only for `pagellm bench ...`
 
-    for module in (throughput, latency, serve, memory):
+    for module in (throughput, latency, serve, memory, embed):
         module.add_parser(bench_sub)
     return p
 

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+
+from pagellm.model.bert_packed import (
+    PackedLayer,
+    from_layout,
+    layout,
+    onednn_usable,
+    pack_layers,
+    packed_layers_forward,
+    to_layout,
+)
 
 ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -140,12 +151,16 @@ class BertModel(nn.Module):
     # The prefix the task heads' checkpoints put before the encoder's weights.
     prefix = "bert"
     is_classifier = False
+    # Whether one forward takes inputs of any lengths at little cost (the packed tokens of bert_packed.py):
+    # the pooling runner then runs a step in one call rather than one per length group.
+    packs_inputs = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
+        self._packed: list[PackedLayer] | None = None  # built on the first forward (pack_layers)
 
     @classmethod
     def max_positions(cls, config: PretrainedConfig) -> int:
@@ -158,10 +173,20 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(input_ids, token_type_ids, self.position_ids(attention_mask))
-        # A boolean mask [batch, 1, 1, length]: every token sees every real token of its row.
-        mask = attention_mask.bool()[:, None, None, :]
-        return self.encoder(x, mask)
+        """Right-padded rows in, the same shape out; computed over inputs grouped by length (bert_packed.py)."""
+        groups = layout(attention_mask.sum(dim=1).tolist(), input_ids.device)
+        x = self.embeddings(to_layout(input_ids, groups), to_layout(token_type_ids, groups),
+                            to_layout(self.position_ids(attention_mask), groups))
+        if self._packed is None:
+            param = next(self.parameters())
+            self._packed = pack_layers(self.encoder.layer, str(self.config.hidden_act),
+                                       onednn_usable(param.dtype, param.device))
+        x = packed_layers_forward(self._packed, x, groups)
+        return from_layout(x, groups, *attention_mask.shape)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> BertModel:
+        self._packed = None  # .to(), .float(), ...: the packed copies are of the old tensors
+        return super()._apply(fn, *args, **kwargs)
 
     def classify(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(self).__name__} has no classification head: it embeds (--convert embed)")
@@ -181,6 +206,7 @@ class BertModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every parameter from the checkpoint; ValueError naming the ones it lacks or that do not fit."""
+        self._packed = None
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in self._own_names(weights):

@@ -251,7 +251,6 @@ def build_encoder_checkpoint(folder: Path, architecture: str = "bert", seed: int
     the bare encoder;
     ``pooling`` (cls, mean, max, mean_sqrt_len, lasttoken; None: no sentence-transformers files) and
     ``normalize``: the sentence-transformers modules written beside it."""
-    import json
 
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
@@ -286,20 +285,28 @@ def build_encoder_checkpoint(folder: Path, architecture: str = "bert", seed: int
                 param.normal_(0.0, 0.1)
     model.save_pretrained(str(folder), safe_serialization=True)
     if pooling is not None and num_labels is None:
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-        if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                            "type": "sentence_transformers.models.Normalize"})
-            (folder / "2_Normalize").mkdir(exist_ok=True)
-        (folder / "modules.json").write_text(json.dumps(modules, indent=2))
-        (folder / "1_Pooling").mkdir(exist_ok=True)
-        keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
-                "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens", "lasttoken": "pooling_mode_lasttoken"}
-        pooling_config: dict[str, Any] = {"word_embedding_dimension": settings["hidden_size"]}
-        pooling_config.update({key: mode == pooling for mode, key in keys.items()})
-        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
-        if max_seq_length is not None:
-            (folder / "sentence_bert_config.json").write_text(
-                json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+        write_sentence_transformers_files(folder, pooling, normalize, settings["hidden_size"], max_seq_length)
     return folder
+
+
+def write_sentence_transformers_files(folder: Path, pooling: str, normalize: bool, hidden_size: int,
+                                      max_seq_length: int | None = None) -> None:
+    """sentence-transformers' files beside a model: ``modules.json`` (Transformer, Pooling by ``pooling``,
+    Normalize where ``normalize``), ``1_Pooling/config.json`` and ``sentence_bert_config.json``."""
+    import json
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
+            "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens", "lasttoken": "pooling_mode_lasttoken"}
+    pooling_config: dict[str, Any] = {"word_embedding_dimension": hidden_size}
+    pooling_config.update({key: mode == pooling for mode, key in keys.items()})
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from pagellm.model.bert import BertForSequenceClassification, BertModel
 from pagellm.model.loader import iterate_weights
 from pagellm.model.modernbert import ModernBertForSequenceClassification, ModernBertModel
+from pagellm.model.nomic_bert import NomicBertModel
 from pagellm.model.xlm_roberta import XLMRobertaForSequenceClassification, XLMRobertaModel
 
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {
@@ -21,10 +22,12 @@ ENCODER_REGISTRY: dict[str, type[BertModel]] = {
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
+    "NomicBertModel": NomicBertModel,
     # Masked-LM checkpoints hold the whole encoder; their LM head is left unread.
     "BertForMaskedLM": BertModel,
     "XLMRobertaForMaskedLM": XLMRobertaModel,
     "ModernBertForMaskedLM": ModernBertModel,
+    "NomicBertForMaskedLM": NomicBertModel,
 }
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -251,12 +252,13 @@ def _no_random_init() -> Iterator[None]:
 def load_model(
     files: ModelFiles, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, load_format: str,
     max_position: int, shard: Callable[[LlamaForCausalLM], None] | None = None, quantization: str | None = None,
-    batch_invariant: bool = True,
+    batch_invariant: bool = True, rename: Callable[[Iterator[tuple[str, Any]]], Iterator[Any]] | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights. ``shard``: cuts the model to one tensor-parallel rank's share, in
     place (distributed/sharding.py's ``shard_model_`` for that rank), from the whole weights before
     they are packed. ``quantization``: as ``--quantization``; ``batch_invariant``: as
-    ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py)."""
+    ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py); ``rename``: the
+    checkpoint's (name, tensor) pairs on their way to the model (the pooling runner's decoders)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device, files)
@@ -278,7 +280,7 @@ def load_model(
         with torch.no_grad():
             weights = (gguf_file.iterate_weights(files.gguf, config, dtype, keep_blocks) if files.gguf is not None
                        else iterate_weights(files.folder))
-            model.load_weights(weights)
+            model.load_weights(weights if rename is None else rename(weights))
     model.eval()
     if shard is not None:
         shard(model)

@@ -95,6 +95,7 @@ class ModernBertModel(BertModel):
     """The encoder; ``token_type_ids`` are ignored (ModernBERT has none)."""
 
     prefix = "model"
+    packs_inputs = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         nn.Module.__init__(self)  # not BERT's modules: ModernBERT's own

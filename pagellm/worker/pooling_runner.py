@@ -10,11 +10,16 @@ import torch
 
 from pagellm.core.pooling_scheduler import PoolingInput
 from pagellm.model.bert import BertModel
+from pagellm.model.bert_packed import length_groups
+from pagellm.model.decoder_pooling import DecoderPoolingModel
 from pagellm.model.pooler import PoolingConfig, normalize, pool
 
 # What a step computes for its inputs: embeddings, or the classifier's outputs (classify: probabilities,
 # score: the cross-encoder's activation, as sentence-transformers' CrossEncoder.predict applies it).
 POOLING_TASKS = ("embed", "classify", "score")
+# A step of at most this many tokens runs on one thread: its matrices are too small for a second thread to
+# gain what synchronising the threads at every operation costs (on a busy machine, many times the work).
+SMALL_STEP_TOKENS = 128
 
 
 def score_activation(config: object) -> str:
@@ -40,21 +45,9 @@ def _activate(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def length_groups(lengths: Sequence[int], slack: float = 1.25, min_pad: int = 8) -> list[list[int]]:
-    """The inputs' indices grouped by length, shortest first: a group's longest input is at most ``slack``
-    times its shortest plus ``min_pad`` tokens, so padding wastes little of a forward pass."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and lengths[i] <= lengths[groups[-1][0]] * slack + min_pad:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 class PoolingRunner:
-    def __init__(self, model: BertModel, pooling: PoolingConfig, device: torch.device, pad_token_id: int = 0) -> None:
+    def __init__(self, model: BertModel | DecoderPoolingModel, pooling: PoolingConfig, device: torch.device,
+                 pad_token_id: int = 0) -> None:
         self.model = model
         self.pooling = pooling
         self.device = device
@@ -76,12 +69,24 @@ class PoolingRunner:
         return ids.to(self.device), types.to(self.device), mask.to(self.device)
 
     def run(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
-        """Per input of ``batch``, its ``task``'s output: inputs of like lengths padded together (sorted by
-        length, as sentence-transformers sorts its batches), one forward pass per group."""
+        """Per input of ``batch``, its ``task``'s output: one forward pass where the model takes inputs of
+        any lengths at once (``packs_inputs``: BERT's grouped rows), else one per group of like lengths
+        (sorted by length, as sentence-transformers sorts its batches); a small step on one thread."""
         if task not in POOLING_TASKS:
             raise ValueError(f"pooling task must be one of {', '.join(POOLING_TASKS)}, got {task!r}")
+        threads = torch.get_num_threads()
+        if threads > 1 and sum(item.num_tokens for item in batch) <= SMALL_STEP_TOKENS:
+            torch.set_num_threads(1)
+            try:
+                return self._run_groups(batch, task)
+            finally:
+                torch.set_num_threads(threads)
+        return self._run_groups(batch, task)
+
+    def _run_groups(self, batch: Sequence[PoolingInput], task: str) -> list[list[float]]:
         rows: list[list[float]] = [[] for _ in batch]
-        for group in length_groups([item.num_tokens for item in batch]):
+        whole = getattr(self.model, "packs_inputs", False)
+        for group in [list(range(len(batch)))] if whole else length_groups([item.num_tokens for item in batch]):
             for i, row in zip(group, self._run([batch[i] for i in group], task)):
                 rows[i] = row
         return rows

@@ -36,8 +36,11 @@ def test_runner_choice(bert: Path, cross_encoder: Path, llama_path: Path) -> Non
     assert task(model=str(llama_path)) is None
     with pytest.raises(ValueError, match="--runner pooling"):
         task(model=str(bert), runner="generate")
-    with pytest.raises(ValueError, match="--runner generate"):
-        task(model=str(llama_path), runner="pooling")
+    assert task(model=str(llama_path), runner="pooling") == "embed"  # a decoder embeds (last token)
+    assert task(model=str(llama_path), runner="pooling", hf_overrides={"classifier_from_token": ["a", "b"]}) \
+        == "classify"
+    with pytest.raises(ValueError, match="--runner pooling runs"):
+        task(runner="pooling")  # the default model: a GGUF file
     with pytest.raises(ValueError, match="classification head"):
         task(model=str(bert), convert="classify")
     with pytest.raises(ValueError, match="contradicts"):

@@ -123,3 +123,54 @@ def _add_tokenizer(writer, folder: Path) -> None:
         template = (folder / "chat_template.jinja").read_text()
     if template:
         writer.add_chat_template(template)
+
+
+def write_encoder_gguf(folder: Path, out: Path, qtype: str = "F32", pooling: str = "mean") -> Path:
+    """A BERT or NomicBERT checkpoint as llama.cpp's converter writes it (``bert`` / ``nomic-bert``): the sizes,
+    the pooling type, gguf's tensor names and the WordPiece vocabulary in llama.cpp's phantom-space spelling."""
+    import gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = {"bert": "bert", "nomic_bert": "nomic-bert"}[config["model_type"]]
+    layers = config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type({"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}[pooling])
+    if arch == "nomic-bert":
+        writer.add_rope_freq_base(float(config["rope_parameters"]["rope_theta"]))
+    vocab = [line for line in (folder / "vocab.txt").read_text().splitlines()] if (folder / "vocab.txt").is_file() \
+        else [t for t, _ in sorted(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"].items(),
+                                   key=lambda kv: kv[1])]
+    phantom = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
+               for t in vocab]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(phantom)
+    writer.add_token_types([3 if t.startswith("[") and t.endswith("]") else 1 for t in vocab])
+    writer.add_token_type_count(config.get("type_vocab_size", 2))
+    for add, token in ((writer.add_bos_token_id, "[CLS]"), (writer.add_sep_token_id, "[SEP]"),
+                       (writer.add_pad_token_id, "[PAD]"), (writer.add_unk_token_id, "[UNK]"),
+                       (writer.add_mask_token_id, "[MASK]")):
+        add(vocab.index(token))
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
+    quant = gguf.GGMLQuantizationType[qtype]
+    for hf_name, w in load_file(str(folder / "model.safetensors")).items():
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base)
+        if name is None:
+            continue  # the pooler, which llama.cpp's converter drops
+        w = w.astype(np.float32)
+        if w.ndim == 2 and quant != gguf.GGMLQuantizationType.F32 and not name.startswith(("token_types",)):
+            writer.add_tensor(f"{name}.{suffix}", gguf.quantize(w, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(f"{name}.{suffix}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -33,6 +33,7 @@ from pagellm.engine.pooling_metrics import PoolingMetrics
 from pagellm.engine.runner_choice import pooling_task
 from pagellm.entrypoints.openai.errors import APIError, error_body, error_response
 from pagellm.entrypoints.openai.http_protocol import with_head_timeout
+from pagellm.entrypoints.openai.pooling_dashboard import add_pooling_dashboard
 from pagellm.entrypoints.openai.pooling_protocol import (
     ClassifyRequest,
     EmbeddingRequest,
@@ -323,6 +324,7 @@ def build_pooling_app(engine: PoolingEngine, model_names: Sequence[str], parse_b
         return Response(serving.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_pooling_routes(app, serving, parse_body)
+    add_pooling_dashboard(app, serving.metrics)
     add_guards(app)
     return app
 

@@ -70,3 +70,15 @@ def test_generative_routes_are_refused_and_not_listed(matryoshka: Path) -> None:
         assert r.status_code == 404
         message = r.json()["error"]["message"]
         assert "POST /v1/embeddings" in message and "/v1/chat/completions" not in message
+
+
+def test_dashboard_reports_pooling_rates_and_latency(matryoshka: Path) -> None:
+    with app_for(matryoshka) as http:
+        for text in ("hello", "the quick brown fox", "world"):
+            assert http.post("/v1/embeddings", json={"input": [text, text]}).status_code == 200
+        stats = http.get("/v1/pooling/stats").json()
+        assert stats["requests_total"] == 3 and stats["inputs_total"] == 6 and stats["tokens_total"] > 6
+        assert stats["requests_by_kind"] == {"embedding": 3}
+        assert stats["requests_per_s"] > 0 and stats["tokens_per_s"] > 0 and stats["latency_ms"]["p50"] > 0
+        page = http.get("/dashboard")
+        assert page.status_code == 200 and "v1/pooling/stats" in page.text
