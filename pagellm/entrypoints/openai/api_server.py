@@ -63,6 +63,7 @@ from pagellm.entrypoints.openai.serving_messages import add_messages_routes
 from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
+from pagellm.entrypoints.openai.worker_routes import add_worker_routes
 from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
@@ -400,6 +401,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     add_messages_routes(app, serving, parse_body, json_body, STREAMS)
+    add_worker_routes(app, async_engine, model_name)  # what vllm-router reads: /get_load, /flush_cache ...
     add_pooling_refusals(app)  # /v1/embeddings, /score, /rerank ...: a 400 naming --runner pooling
     if responses_store is None:
         responses_store = ResponsesStore(1024, 256 * 2**20)
