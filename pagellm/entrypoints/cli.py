@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             apply_config_file(command, argv[at + 1:], args)
         except ValueError as e:
             command.error(str(e))
+    at = _command_at(argv)
+    # The command's own arguments as given: `serve --data-parallel-size N` starts its replicas with them.
+    args.command_argv = argv[at + 1:] if at is not None else []
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagellm.bench import BenchError
 
