@@ -148,11 +148,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory")
-    bench_sub = p.add_subparsers(dest="bench_command", required=True, metavar="{throughput,latency,serve,memory}")
-    from pagellm.bench import latency, memory, serve, throughput  # torch: only for `pagellm bench ...`
+    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory, router")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True,
+                                 metavar="{throughput,latency,serve,memory,router}")
+    from pagellm.bench import latency, memory, router, serve, throughput  # torch: only for `pagellm bench ...`
 
-    for module in (throughput, latency, serve, memory):
+    for module in (throughput, latency, serve, memory, router):
         module.add_parser(bench_sub)
     return p
 
@@ -193,7 +194,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.A
     "serve": ("serve the OpenAI-compatible API", _add_serve),
     "run-batch": ("run a file of OpenAI batch requests (JSON lines) offline, as the server would answer them",
                   _add_run_batch),
-    "bench": ("benchmarks against the peers: throughput, latency, serve, memory", _add_bench),
+    "bench": ("benchmarks against the peers: throughput, latency, serve, memory, router", _add_bench),
     "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
     "default-model": (DEFAULT_MODEL_HELP, _add_default_model),
 }
