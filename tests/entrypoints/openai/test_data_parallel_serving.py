@@ -3,6 +3,7 @@ test-peers`), driven with the `openai` client through the router."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -59,14 +60,43 @@ def test_same_prefix_same_replica(server):
     assert chat.choices[0].message.content is not None
 
 
-def test_a_dead_replica_leaves_the_other_serving(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-    (pid, url), _ = replicas(server)
-    os.kill(pid, signal.SIGKILL)
+def load(url: str) -> int:
+    return httpx.get(url + "/get_load", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()["load"]
+
+
+def test_a_dead_replica_loses_only_its_requests(server):
+    """SIGKILL to a replica mid-run: the requests it held fail, the other's finish, and later requests
+    are all served by the replica left."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    (pid, url), (_, other) = replicas(server)
+
+    async def one(i: int) -> bool:
+        try:
+            # Prompts that differ from their first letter: cache_aware spreads them over both replicas.
+            prompt = f"{'ABCDEFGH'[i]} request {i} " * (1 + i)
+            await client.completions.create(model="tiny", prompt=prompt, max_tokens=600,
+                                            extra_body={"ignore_eos": True})
+            return True
+        except openai.APIError:
+            return False
+
+    async def run() -> tuple[int, list[bool]]:
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        deadline = time.time() + 30
+        while load(url) + load(other) < 8 and time.time() < deadline:  # every request at a replica
+            await asyncio.sleep(0.05)
+        held = load(url)
+        os.kill(pid, signal.SIGKILL)
+        return held, list(await asyncio.gather(*tasks))
+
+    held, ok = asyncio.run(run())
+    assert 0 < held < 8, held  # cache_aware spread the distinct prompts over both
+    assert ok.count(False) <= held and ok.count(True) >= 8 - held, (held, ok)
     deadline = time.time() + 10
     while "replica 0 (pid" not in server.log() and time.time() < deadline:
         time.sleep(0.1)
     assert f"replica 0 (pid {pid}, {url}) exited" in server.log()
-    for i in range(4):  # the same prefix included: it went to either replica
-        out = client.completions.create(model="tiny", prompt=PREFIX + f"After {i}", max_tokens=2)
+    sync = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    for i in range(4):  # the long prefix included: its replica may be the one gone
+        out = sync.completions.create(model="tiny", prompt=PREFIX + f"After {i}", max_tokens=2)
         assert len(out.choices) == 1
