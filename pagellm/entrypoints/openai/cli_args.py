@@ -57,8 +57,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind; checked before the model loads")
     s.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every route but /health; several keys are each "
-                        "accepted (default: $PAGELLM_API_KEY, else $VLLM_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /get_load; several "
+                        "keys are each accepted (default: $PAGELLM_API_KEY, else $VLLM_API_KEY, else no key)")
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")

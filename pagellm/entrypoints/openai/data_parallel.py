@@ -71,7 +71,7 @@ def router_argv(host: str, port: int, worker_urls: Sequence[str], policy: str, m
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--worker-startup-timeout-secs", str(int(REPLICA_START_TIMEOUT_S)), "--health-check-interval-secs", "5",
             "--log-level", "warning"]
-    if api_key:  # the key the router sends to the workers on its own calls (/get_load)
+    if api_key:  # as vLLM's router takes it (clients' requests carry their own Authorization header)
         argv += ["--api-key", api_key]
     return argv
 

@@ -20,6 +20,11 @@ import pagellm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.sampling_params import SamplingParams
 
+# Routes answered without the API key: /health, and /get_load, which vllm-router polls without sending
+# its --api-key (its loads would read -1, unknown, and power_of_two would route blind). Both tell only
+# counts and states.
+KEYLESS_ROUTES = frozenset({"/health", "/get_load"})
+
 
 def load_report(async_engine: AsyncLLMEngine) -> dict[str, int]:
     """The requests this server holds: ``load`` (all of them, the router's number), and its parts."""
@@ -42,7 +47,7 @@ def server_info(async_engine: AsyncLLMEngine, model_name: str) -> dict[str, Any]
 
 
 def add_worker_routes(app: FastAPI, async_engine: AsyncLLMEngine, model_name: str) -> None:
-    """The routes above on ``app`` (behind the API key like every route but /health)."""
+    """The routes above on ``app`` (behind the API key, but for ``KEYLESS_ROUTES``)."""
     engine = async_engine.engine
 
     @app.get("/get_load")

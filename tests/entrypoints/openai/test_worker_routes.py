@@ -32,8 +32,9 @@ def test_load_and_info(server):
     info = get(server, "/get_server_info").json()
     assert info["block_size"] == 16 and info["max_model_len"] == 512 and info["served_model_name"] == "tiny"
     assert get(server, "/get_model_info").json()["is_generation"] is True
-    # Behind the API key, as every route but /health.
-    assert httpx.get(server.url + "/get_load").status_code == 401
+    # Behind the API key, but for /get_load, which vllm-router polls without it (as /health).
+    assert httpx.get(server.url + "/get_server_info").status_code == 401
+    assert httpx.get(server.url + "/get_load").json()["load"] == 0
 
 
 def test_health_generate(server):
