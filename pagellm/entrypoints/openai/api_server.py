@@ -63,6 +63,7 @@ from pagellm.entrypoints.openai.serving_messages import add_messages_routes
 from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
 from pagellm.entrypoints.openai.tolerance import log_dropped, relax
+from pagellm.entrypoints.openai.worker_routes import KEYLESS_ROUTES, add_worker_routes
 from pagellm.text import plural
 
 logger = logging.getLogger("pagellm.server")
@@ -79,7 +80,7 @@ class BodyReadTimeout(Exception):
 
 
 class GuardMiddleware:
-    """API key check (constant-time) on every route but /health, a request-body size limit, and a
+    """API key check (constant-time) on every route but /health and /get_load, a request-body size limit, and a
     deadline for the body (a client trickling it in holds a connection, not the server).
 
     The key comes as ``Authorization: Bearer KEY`` or, as Anthropic's clients send it, ``x-api-key: KEY``;
@@ -129,7 +130,7 @@ class GuardMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         path = get_route_path(scope)  # without --root-path
-        if self.api_keys and path != "/health":
+        if self.api_keys and path not in KEYLESS_ROUTES:
             auth = headers.get(b"authorization", b"")
             x_api_key = headers.get(b"x-api-key", b"")
             browser = self._in_browser_path(path)
@@ -400,6 +401,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     add_messages_routes(app, serving, parse_body, json_body, STREAMS)
+    add_worker_routes(app, async_engine, model_name)  # what vllm-router reads: /get_load, /flush_cache ...
     add_pooling_refusals(app)  # /v1/embeddings, /score, /rerank ...: a 400 naming --runner pooling
     if responses_store is None:
         responses_store = ResponsesStore(1024, 256 * 2**20)

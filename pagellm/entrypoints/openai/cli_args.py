@@ -22,6 +22,8 @@ TOOL_CALL_PARSERS = ("auto", "generic", "hermes", "qwen", "qwen3_coder", "llama3
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "think")
 # --metrics-prefix's choices (engine/metric_families.METRICS_PREFIXES; named here for the same reason).
 METRICS_PREFIXES = ("vllm", "pagellm", "both")
+# --router-policy's choices (data_parallel.ROUTER_POLICIES; vllm-router's --policy).
+ROUTER_POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin", "random")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -55,8 +57,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind; checked before the model loads")
     s.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every route but /health; several keys are each "
-                        "accepted (default: $PAGELLM_API_KEY, else $VLLM_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /get_load; several "
+                        "keys are each accepted (default: $PAGELLM_API_KEY, else $VLLM_API_KEY, else no key)")
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or the path of a file holding one, used instead of the "
                         "tokenizer's own (default: the tokenizer's)")
@@ -128,6 +130,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "keeps at most this many responses in memory, the least recently used going first")
     s.add_argument("--responses-store-max-bytes", default="256MiB",
                    help="and at most this much of their JSON text in all")
+    d = p.add_argument_group("data parallelism (replicas behind vLLM's router, vllm-router)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="replica servers to run, each on its share of the cores (CPU affinity and OMP_NUM_THREADS) "
+                        "and an internal port, behind vllm-router on --host/--port; every other flag applies to "
+                        "each replica (--kv-cache-memory is per replica). Needs: pip install vllm-router")
+    d.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="with --data-parallel-size > 1: how the router picks a replica: cache_aware (the one whose "
+                        "cached prefixes match the prompt most, unless the loads are too uneven), consistent_hash, "
+                        "power_of_two (the less loaded of two, by GET /get_load), round_robin, random")
     t = p.add_argument_group("HTTPS (vLLM's flags, through uvicorn)")
     t.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     t.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile")
@@ -214,6 +225,8 @@ def _run(args: argparse.Namespace) -> Any:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     check_server_flags(args)
+    if args.data_parallel_size != 1:
+        return _run_data_parallel(args)
     # The port is taken before anything loads (the server stack, torch, the model): a port in use is
     # reported at once, not after a long load.
     sock = bind_socket(args.host, args.port)
@@ -224,6 +237,20 @@ def _run(args: argparse.Namespace) -> Any:
     from pagellm.entrypoints.openai.api_server import run_server
 
     return run_server(args, sock)
+
+
+def _run_data_parallel(args: argparse.Namespace) -> Any:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.ssl_certfile:
+        raise ValueError("--data-parallel-size > 1 with --ssl-*: the router in front serves plain HTTP here; "
+                         "terminate TLS in front of it")
+    bind_socket(args.host, args.port).close()  # a port in use is reported before the replicas load
+    if args.api_key is None:
+        args.api_key = api_keys_from_env()
+    from pagellm.entrypoints.openai.data_parallel import run_data_parallel
+
+    return run_data_parallel(args)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -8,7 +8,10 @@ models stay strict (a wrong type is a 400 naming it) and this pass does what vLL
 - a float with no fractional part on an integer field is that integer (``max_tokens: 4.0``);
 - a field no model declares is dropped and named in one warning per request (vLLM logs "fields were
   present in the request but ignored"), unless the server runs with ``--strict-requests``, which
-  keeps them for the models to refuse with a 400, as before.
+  keeps them for the models to refuse with a 400, as before;
+- the fields a router adds to every request it forwards (``ROUTER_DEFAULTS``: ``vllm-router`` and
+  SGLang's router fill in SGLang's fields) are dropped without a word, even under ``--strict-requests``,
+  while they hold the value that changes nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from typing import Any
 from pydantic import BaseModel
 
 logger = logging.getLogger("pagellm.server")
+
+# Fields vllm-router adds to each completion and chat body it forwards, at their defaults: these values
+# ask for what pagellm does anyway (stop strings trimmed, no hidden states, reasoning split as parsed).
+ROUTER_DEFAULTS: dict[str, Any] = {"no_stop_trim": False, "return_hidden_states": False,
+                                   "separate_reasoning": True, "stream_reasoning": True}
 
 
 @functools.cache
@@ -59,7 +67,9 @@ def relax(model: type[BaseModel], data: Any, strict: bool, path: str = "") -> li
         value = data[key]
         field = fields.get(key)
         if field is None:
-            if not strict:
+            if not path and key in ROUTER_DEFAULTS and value is ROUTER_DEFAULTS[key]:
+                del data[key]
+            elif not strict:
                 dropped.append(path + key)
                 del data[key]
             continue
