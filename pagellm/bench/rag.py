@@ -102,6 +102,7 @@ def run_rag(args: argparse.Namespace, w1_model: Path, w1: Workload, engine_kwarg
             "ttft_first_cold_s": _mean([cold["ttft_s"][i] for i in first_of_doc]),
             "ttft_first_warm_s": _mean([warm["ttft_s"][i] for i in first_of_doc]),
             "identical": sum(a == b for a, b in zip(cold["tokens"], warm["tokens"])),
+            "differing_requests": [i for i, (a, b) in enumerate(zip(cold["tokens"], warm["tokens"])) if a != b],
             "w1_tok_s_no_tier": off["output_tokens_per_s"], "w1_tok_s_empty_tier": on["output_tokens_per_s"],
         }
         run["ttft_ratio"] = run["ttft_cold_s"] / run["ttft_warm_s"]
@@ -109,7 +110,9 @@ def run_rag(args: argparse.Namespace, w1_model: Path, w1: Workload, engine_kwarg
         run["miss_cost"] = 1 - run["w1_tok_s_empty_tier"] / run["w1_tok_s_no_tier"]
         runs.append(run)
         print(f"repeat {r + 1}: TTFT cold {run['ttft_cold_s']:.3f} s, warm {run['ttft_warm_s']:.3f} s "
-              f"({run['ttft_ratio']:.1f}x); outputs identical {run['identical']}/{workload.num_requests}; W1 "
+              f"({run['ttft_ratio']:.1f}x; first question about each document {run['ttft_first_cold_s']:.3f} s vs "
+              f"{run['ttft_first_warm_s']:.3f} s, {run['ttft_first_ratio']:.1f}x); outputs identical "
+              f"{run['identical']}/{workload.num_requests}; W1 "
               f"{run['w1_tok_s_no_tier']:.1f} tok/s without the tier, {run['w1_tok_s_empty_tier']:.1f} with an "
               f"empty one ({run['miss_cost']:+.1%})", flush=True)
         if r + 1 < args.repeats:  # (a long benchmark: what is done so far is kept if it is stopped)
