@@ -141,6 +141,8 @@ class BlockPool:
         # How many of those are free: kept up to date, as the metrics read it every step.
         self._num_cached_free = 0
         self._peak_used = 0
+        # GROWTH, or None: every never-used block is taken before a cached one is evicted.
+        self.growth: int | None = self.GROWTH
         # (block id, hash) of every cached block evicted (reused) since the last take, while recorded
         # (None: not recorded): the disk tier writes them out before the reuse overwrites them.
         self.evicted: list[tuple[int, int]] | None = None
@@ -157,7 +159,10 @@ class BlockPool:
     def free_order(self) -> list[int]:
         """Ids of the free blocks in the order they will be allocated (evicted), one at a time."""
         fresh = list(range(len(self._blocks), self.num_blocks))
-        ahead = max(0, self.GROWTH * max(self._peak_used, self.num_used_blocks + 1) - len(self._blocks))
+        if self.growth is None:
+            ahead = len(fresh)
+        else:
+            ahead = max(0, self.growth * max(self._peak_used, self.num_used_blocks + 1) - len(self._blocks))
         return fresh[:ahead] + [b.block_id for b in self.free_queue] + fresh[ahead:]
 
     @property
@@ -177,7 +182,7 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         self._peak_used = max(self._peak_used, self.num_used_blocks + n)
-        grow_to = self.GROWTH * self._peak_used
+        grow_to = self.num_blocks if self.growth is None else self.growth * self._peak_used
         out = []
         for _ in range(n):
             if self.num_fresh_blocks and (not self.free_queue.num_free or len(self._blocks) < grow_to):

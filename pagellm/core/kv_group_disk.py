@@ -41,6 +41,9 @@ class GroupDiskTier:
         """Write this group's evicted cached blocks to the disk tier and read them back from it."""
         self.disk, self.disk_group = index, group
         self.pool.evicted = []
+        # With a tier behind it an eviction costs a write now and a read later: the pool uses all of
+        # its blocks before it evicts a cached one.
+        self.pool.growth = None
 
     def on_disk(self, seq: Sequence, index: int) -> bool:
         """Whether the ``index``-th full block of ``seq`` is on disk and not in memory."""

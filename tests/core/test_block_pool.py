@@ -115,6 +115,22 @@ def test_never_used_blocks_are_taken_up_to_twice_the_most_ever_in_use():
     pool.assert_consistent()
 
 
+def test_a_pool_without_growth_limit_keeps_every_cached_prefix_until_full():
+    """With a disk tier behind the pool (growth None), a cached block is evicted only once every
+    never-used block has been taken: an eviction would cost a write now and a read later."""
+    pool = BlockPool(20)
+    pool.growth = None
+    for i in range(6):
+        blocks = pool.allocate(3)
+        key = (None, (i,), None)
+        pool.cache_block(blocks[0], hash_block_key(key), key)
+        pool.free(reversed(blocks))
+    assert pool.num_fresh_blocks == 2  # 18 taken, none reused
+    assert all(pool.lookup(hash_block_key((None, (i,), None)), (None, (i,), None)) is not None for i in range(6))
+    assert [b.block_id for b in pool.allocate(3)][:2] == [18, 19]
+    pool.assert_consistent()
+
+
 def _count_cached_free(pool: BlockPool) -> int:
     return sum(1 for b in pool.cached_blocks.values() if b.ref_cnt == 0)
 
