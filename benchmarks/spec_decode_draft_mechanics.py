@@ -7,7 +7,7 @@ residual stream passes through them), so it computes what its first 2 layers com
 the draft is those 2 layers with the same embeddings, norm and head. Real pairs agree less often; this
 shows what the step's machinery costs and returns when the draft is cheap and right.
 
-    python benchmarks/spec_decode_draft_mechanics.py [--runs 3] [--max-tokens 128] [-k 4]
+    python benchmarks/spec_decode_draft_mechanics.py [--runs 3] [--max-tokens 128] [-k 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--threads", type=int, default=None, help="--threads-per-worker (default: the engine's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = build_pair(Path(tmp))
-        kwargs = dict(max_model_len=512, enable_prefix_caching=False, seed=0)
+        kwargs = dict(max_model_len=512, enable_prefix_caching=False, seed=0, threads_per_worker=args.threads)
         engines = {"plain": LLM(str(target), **kwargs)}
         for name, path in (("draft 2/8 layers", draft), ("target as draft", target)):
             engines[name] = LLM(str(target), speculative_config={"model": str(path), "num_speculative_tokens": args.k},
