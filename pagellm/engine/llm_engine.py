@@ -12,20 +12,21 @@ import torch
 from transformers import PretrainedConfig
 
 from pagellm.config import EngineArgs
-from pagellm.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from pagellm.core.kv_cache_manager import KVCacheStats
 from pagellm.core.kv_group_manager import blocks_per_sequence
 from pagellm.core.runner_output import ModelRunnerOutput
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.core.sequence import Request
-from pagellm.core.speculation import SpeculativeConfig
 from pagellm.distributed.sharding import check_shardable, shard_for
 from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_device
 from pagellm.engine import startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.kv_offload import open_disk_tier, save_cached_blocks
+from pagellm.engine.lora_service import LoRAService
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.phases import log_ready, phase
+from pagellm.lora.request import LoRARequest
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.hf_overrides import apply_hf_overrides
@@ -174,7 +175,8 @@ class LLMEngine:
         with phase("loading the weights"):
             self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format,
                                            self.max_model_len, shard=shard_for(0, world),
-                                           quantization=args.quantization, batch_invariant=args.batch_invariant)
+                                           quantization=args.quantization, batch_invariant=args.batch_invariant,
+                                           lora=args.enable_lora)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
         # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)
@@ -190,7 +192,7 @@ class LLMEngine:
         self.kv_cache_manager.switch_length = switch_length
         budget = args.step_token_budget(self.max_model_len)
         self.eos_token_ids = startup.eos_token_ids(files.generation_config_folder, config, self.tokenizer)
-        self.speculative = speculative_config(args, self.kv_cache_manager)
+        self.speculative = startup.speculative_config(args, self.kv_cache_manager)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=budget,
@@ -204,6 +206,7 @@ class LLMEngine:
                 default_tpot_slo=args.default_tpot_slo,
                 recompute_past_length=switch_length,
                 speculative=self.speculative,
+                max_loras=args.max_loras if args.enable_lora else None,
             ),
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
@@ -218,6 +221,7 @@ class LLMEngine:
                 structured_output=self.structured_output, calculate_kv_scales=args.calculate_kv_scales,
                 speculative=self.speculative is not None,
             )
+        self.lora = LoRAService(args, self.model_runner, self.dtype, self.device) if args.enable_lora else None
         if args.kv_offload_dir is not None:
             with phase("opening the KV tier on disk"):
                 self.model_runner.disk_store = open_disk_tier(args, files, config, self.dtype,
@@ -255,13 +259,20 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                     ttft_slo: float | None = None, tpot_slo: float | None = None) -> Request:
+                     ttft_slo: float | None = None, tpot_slo: float | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input.
 
         Touches no engine state, so a server can call it while a step runs in another thread.
         """
-        return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, cache_salt,
-                                                 ttft_slo, tpot_slo)
+        request = self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, cache_salt,
+                                                    ttft_slo, tpot_slo)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} requested, but "
+                                 "the engine was started without LoRA: pass enable_lora=True (--enable-lora)")
+            request.lora_request = self.lora.check(lora_request)
+        return request
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """ValueError unless a prompt of ``num_tokens`` leaves room for one new token."""
@@ -277,11 +288,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         ttft_slo: float | None = None,
         tpot_slo: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt, ttft_slo, tpot_slo)
+        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt, ttft_slo, tpot_slo,
+                                    lora_request)
         self.enqueue(request)
         return request
 
@@ -480,19 +493,3 @@ class LLMEngine:
         """The request's output as it stands (an aborted one's, say)."""
         return self.output_processor.make_output(request)
 
-
-def speculative_config(args: EngineArgs, kv_cache_manager: KVCacheManager) -> SpeculativeConfig | None:
-    """``--speculative-config`` for this engine, or None; ValueError where the engine cannot speculate."""
-    if args.speculative_config is None:
-        return None
-    assert not isinstance(args.speculative_config, str)  # (EngineArgs parsed its JSON)
-    spec = SpeculativeConfig.from_dict(args.speculative_config)
-    if len(kv_cache_manager.groups) > 1:
-        raise ValueError("speculative_config: models with several KV cache groups (sliding and full-attention "
-                         "layers, as Gemma's) do not speculate yet; drop --speculative-config")
-    if args.tensor_parallel_size > 1:
-        raise ValueError("speculative_config: tensor-parallel engines do not speculate yet; drop "
-                         "--speculative-config or --tensor-parallel-size")
-    logger.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d to %d tokens)", spec.method,
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return spec

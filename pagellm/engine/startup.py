@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from pagellm.config import EngineArgs, parse_memory
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.kv_groups import KVCacheGroupSpec, split_kv_blocks
+from pagellm.core.speculation import SpeculativeConfig
 from pagellm.engine.sizing import (
     DEFAULT_KV_SHARE,
     KVCacheSizing,
@@ -196,3 +197,20 @@ def kv_cache_groups(config: PretrainedConfig, num_layers: int) -> list[KVCacheGr
     if groups is None:
         return [KVCacheGroupSpec(tuple(range(num_layers)), sliding_window_of(config))]
     return [KVCacheGroupSpec(layers, window) for window, layers in groups]
+
+
+def speculative_config(args: EngineArgs, kv_cache_manager: KVCacheManager) -> SpeculativeConfig | None:
+    """``--speculative-config`` for this engine, or None; ValueError where the engine cannot speculate."""
+    if args.speculative_config is None:
+        return None
+    assert not isinstance(args.speculative_config, str)  # (EngineArgs parsed its JSON)
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    if len(kv_cache_manager.groups) > 1:
+        raise ValueError("speculative_config: models with several KV cache groups (sliding and full-attention "
+                         "layers, as Gemma's) do not speculate yet; drop --speculative-config")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: tensor-parallel engines do not speculate yet; drop "
+                         "--speculative-config or --tensor-parallel-size")
+    logger.info("speculative decoding: %s drafts of up to %d tokens (n-grams of %d to %d tokens)", spec.method,
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return spec

@@ -251,12 +251,13 @@ def _no_random_init() -> Iterator[None]:
 def load_model(
     files: ModelFiles, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, load_format: str,
     max_position: int, shard: Callable[[LlamaForCausalLM], None] | None = None, quantization: str | None = None,
-    batch_invariant: bool = True,
+    batch_invariant: bool = True, lora: bool = False,
 ) -> LlamaForCausalLM:
     """The model with its weights. ``shard``: cuts the model to one tensor-parallel rank's share, in
     place (distributed/sharding.py's ``shard_model_`` for that rank), from the whole weights before
     they are packed. ``quantization``: as ``--quantization``; ``batch_invariant``: as
-    ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py)."""
+    ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py); ``lora``: adapters will
+    add to the MLP's gate and up projections, so they are packed apart."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device, files)
@@ -293,7 +294,7 @@ def load_model(
     if quantization in QUANTIZERS:
         count = quantize_linear_layers(model, quantization, batch_invariant)
         logger.info("quantized %d linear layers to %s at load", count, quantization)
-    pack_linear_layers(model, dtype, device)
+    pack_linear_layers(model, dtype, device, gated=not lora)
     if batch_invariant and device.type == "cpu":
         pad_linear_rows(model)  # the layers left to PyTorch's matmul
     return model

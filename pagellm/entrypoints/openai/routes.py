@@ -12,11 +12,8 @@ from starlette.routing import BaseRoute, Route
 # vLLM's server routes that pagellm does not serve (yet): path -> the API it is in vLLM.
 # (The pooling routes, /v1/embeddings, /score, /rerank ..., are served under --runner pooling, and answer a
 # 400 naming it on a generative server: serving_pooling.py.)
-_LORA = "LoRA adapter loading (--enable-lora)"
 _DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
 VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
-    "/v1/load_lora_adapter": _LORA,
-    "/v1/unload_lora_adapter": _LORA,
     "/invocations": "SageMaker's invocation route",
     "/ping": "SageMaker's health check (this server's is GET /health)",
     "/load": "the server-load route (this server's load is in GET /metrics)",

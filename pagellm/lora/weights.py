@@ -1,0 +1,117 @@
+"""A PEFT adapter's tensors as pagellm computes them: per fused projection of each layer, ``A^T``
+(the targeted parts' A stacked) and ``B^T`` (their B, block-diagonal over the fused output, scaled)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.lora.peft_config import SUPPORTED_MODULES, AdapterConfig, LoRAError
+
+# (layer index, fused projection's name): e.g. (3, "qkv_proj").
+TargetKey = tuple[int, str]
+# PEFT's names in a saved adapter: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """One fused projection of the model: its input width and its output's parts (PEFT name, width)."""
+
+    in_features: int
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(width for _, width in self.parts)
+
+
+# The PEFT projections that make up each of pagellm's fused ones, in output order.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter's tensors: ``(A^T [in, k*r], B^T [k*r, out])`` per targeted fused projection."""
+
+    name: str
+    rank: int
+    tensors: dict[TargetKey, tuple[torch.Tensor, torch.Tensor]]
+
+    def to(self, device: torch.device) -> LoRAWeights:
+        moved = {k: (a.to(device), b.to(device)) for k, (a, b) in self.tensors.items()}
+        return LoRAWeights(self.name, self.rank, moved)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+
+
+def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout], dtype: torch.dtype,
+                      name: str = "") -> LoRAWeights:
+    """The adapter's tensors for a model of ``layout``; LoRAError where they do not fit it."""
+    from safetensors.torch import load_file
+
+    label = f"LoRA adapter {name!r} ({cfg.path})"
+    try:
+        raw = load_file(str(cfg.weights_path))
+    except Exception as e:  # (safetensors raises its own error types for a damaged file)
+        raise LoRAError(f"{label}: cannot read {cfg.weights_path.name}: {e}") from None
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in raw.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise LoRAError(f"{label}: tensor {key!r} is not a LoRA A/B weight of a projection pagellm adapts "
+                            f"({', '.join(SUPPORTED_MODULES)})")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in SUPPORTED_MODULES:
+            raise LoRAError(f"{label}: target module {module} is not supported; an adapter may target "
+                            f"{', '.join(SUPPORTED_MODULES)}")
+        found.setdefault((layer, module), {})[which] = tensor
+    if not found:
+        raise LoRAError(f"{label}: {cfg.weights_path.name} holds no LoRA weights")
+    num_layers = 1 + max(layer for layer, _ in layout)
+    tensors: dict[TargetKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    for fused, parts in FUSED_PARTS.items():
+        for layer in range(num_layers):
+            present = [p for p in parts if (layer, p) in found]
+            if present and layer < num_layers:
+                target = layout.get((layer, fused))
+                if target is None:
+                    raise LoRAError(f"{label}: it adapts {', '.join(present)} of layer {layer}, which this model "
+                                    "computes in a way pagellm does not adapt (e.g. a mixture of experts)")
+                tensors[(layer, fused)] = _fuse(found, layer, present, target, cfg, dtype, label)
+    extra = sorted({layer for layer, _ in found if layer >= num_layers})
+    if extra:
+        raise LoRAError(f"{label}: it adapts layer {extra[0]} but the model has {num_layers} layers: an adapter of "
+                        "another base model?")
+    return LoRAWeights(name, cfg.rank, tensors)
+
+
+def _fuse(found: dict[tuple[int, str], dict[str, torch.Tensor]], layer: int, present: list[str],
+          target: TargetLayout, cfg: AdapterConfig, dtype: torch.dtype, label: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A^T and B^T of one fused projection from its present parts (B scaled, zero where a part is absent)."""
+    r = cfg.rank
+    a_t = torch.zeros(target.in_features, r * len(present), dtype=torch.float32)
+    b_t = torch.zeros(r * len(present), target.out_features, dtype=torch.float32)
+    offset = 0
+    col = 0
+    for part, width in target.parts:
+        if part in present:
+            ab = found[(layer, part)]
+            if "A" not in ab or "B" not in ab:
+                raise LoRAError(f"{label}: layer {layer} {part} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
+            a, b = ab["A"].float(), ab["B"].float()
+            if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (width, r):
+                raise LoRAError(f"{label}: layer {layer} {part} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "
+                                f"rank {r} on this model needs A {(r, target.in_features)} and B {(width, r)}: an "
+                                "adapter of another base model?")
+            a_t[:, col : col + r] = a.T
+            b_t[col : col + r, offset : offset + width] = b.T * cfg.scaling
+            col += r
+        offset += width
+    return a_t.to(dtype).contiguous(), b_t.to(dtype).contiguous()
