@@ -128,6 +128,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "keeps at most this many responses in memory, the least recently used going first")
     s.add_argument("--responses-store-max-bytes", default="256MiB",
                    help="and at most this much of their JSON text in all")
+    s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served beside the model (with --enable-lora): each name=path (a PEFT folder "
+                        "or hub id) or vLLM's JSON {\"name\": ..., \"path\": ...}; a request picks one by its model "
+                        "field. VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also serves /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter")
     t = p.add_argument_group("HTTPS (vLLM's flags, through uvicorn)")
     t.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     t.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile")
