@@ -455,11 +455,11 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
     if pooling_task(engine_args) is not None:  # an encoder: the pooling server (serving_pooling.py)
         return run_pooling_server(args, engine_args, sock, parse_body, GuardMiddleware, max_body)
     engine = LLMEngine(engine_args)
-    register_lora_modules(engine, getattr(args, "lora_modules", None), engine_args.served_model_names or [args.model or ""])
     if args.model is None:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
     names = engine_args.served_model_names or [args.model if args.model is not None else engine.model_path.name]
     name = names[0]
+    register_lora_modules(engine, getattr(args, "lora_modules", None), names)
     api_keys = args.api_key
     cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,
