@@ -125,3 +125,20 @@ def test_bad_adapters_are_refused_with_what_to_do(base, adapters, tmp_path):
     plain = LLM(str(base), dtype="float32")
     with pytest.raises(ValueError, match=r"without LoRA: pass enable_lora=True \(--enable-lora\)"):
         plain.generate("hi", sp, lora_request=LoRARequest("attn", 1, str(adapters["attn"])))
+
+
+def test_dashboard_rows_name_each_requests_adapter(base, adapters):
+    from pagellm.engine.kv_state import kv_state
+
+    llm = LLM(str(base), enable_lora=True, dtype="float32", max_lora_rank=16)
+    engine = llm.llm_engine
+    reqs = requests_of(adapters)
+    engine.add_request("a", "hello", SamplingParams(max_tokens=2), lora_request=reqs["attn"])
+    engine.add_request("b", "hello", SamplingParams(max_tokens=2))
+    engine.add_request("c", "hello", SamplingParams(max_tokens=2), lora_request=reqs["mlp"])
+    engine.step()  # (max_loras 1: "c" waits for "a"'s adapter to leave)
+    rows = {r["request_id"]: r for r in kv_state(engine.kv_cache_manager, engine.scheduler)["requests"]}
+    assert {k: (r["lora_adapter"], r["queue"]) for k, r in rows.items()} == {
+        "a": ("attn", "running"), "b": (None, "running"), "c": ("mlp", "waiting")}
+    while engine.has_unfinished_requests():
+        engine.step()
