@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.lora.peft_config import read_adapter_config
-from pagellm.lora.punica import LoRAStep, add_lora
+from pagellm.lora.punica import LoRAStep, Stacks, add_lora
 from pagellm.lora.request import LoRARequest
 from pagellm.lora.weights import LoRAWeights, TargetKey, TargetLayout, load_lora_weights
 
@@ -35,7 +35,11 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.requests: dict[int, LoRARequest] = {}
         self.loaded: OrderedDict[int, LoRAWeights] = OrderedDict()
-        self.slots: OrderedDict[int, LoRAWeights] = OrderedDict()
+        # The slots: adapter id -> slot index, least recently used first; each slot's weights; and per
+        # projection the slots' A^T and B^T stacked for the batched op (allocated when first needed).
+        self.slots: OrderedDict[int, int] = OrderedDict()
+        self.slot_weights: list[LoRAWeights | None] = [None] * max_loras
+        self.stacks: Stacks = {}
         # The running step's adapters; None: no row of the step has one (the hooks return at once).
         self.current: LoRAStep | None = None
         self.loads = 0  # adapters read from disk (tests and the log)
@@ -45,10 +49,7 @@ class LoRAManager:
     def _hook(self, key: TargetKey) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor | None]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
             step = self.current
-            if step is None:
-                return None
-            x = args[0]
-            return add_lora(out, x, key, step.groups(x.shape[0]))
+            return None if step is None else add_lora(out, args[0], key, step)
         return hook
 
     def register(self, request: LoRARequest) -> None:
@@ -62,10 +63,12 @@ class LoRAManager:
         """Forget an adapter (unloaded at run time)."""
         self.requests.pop(adapter_id, None)
         self.loaded.pop(adapter_id, None)
-        self.slots.pop(adapter_id, None)
+        slot = self.slots.pop(adapter_id, None)
+        if slot is not None:
+            self._fill(slot, None)
 
-    def _weights(self, adapter_id: int, keep: set[int]) -> LoRAWeights:
-        """The adapter in a slot, loading it (from the cache, else its files) where it is not; the least
+    def _slot(self, adapter_id: int, keep: set[int]) -> int:
+        """The adapter's slot, loading it (from the cache, else its files) where it has none; the least
         recently used slot not in ``keep`` makes room."""
         slot = self.slots.get(adapter_id)
         if slot is not None:
@@ -83,14 +86,38 @@ class LoRAManager:
             while len(self.loaded) > self.max_cpu_loras:
                 self.loaded.popitem(last=False)
         self.loaded.move_to_end(adapter_id)
-        while len(self.slots) >= self.max_loras:
+        free = [i for i, w in enumerate(self.slot_weights) if w is None]
+        if free:
+            slot = free[0]
+        else:
             victim = next((i for i in self.slots if i not in keep), None)
             if victim is None:
                 raise RuntimeError(f"LoRA: more than max_loras={self.max_loras} adapters in one step")
-            del self.slots[victim]
-        slot = cpu if cpu.tensors and next(iter(cpu.tensors.values()))[0].device == self.device else cpu.to(self.device)
+            slot = self.slots.pop(victim)
+        self._fill(slot, cpu.to(self.device))
         self.slots[adapter_id] = slot
         return slot
+
+    def _fill(self, slot: int, weights: LoRAWeights | None) -> None:
+        """Put ``weights`` (None: nothing) in ``slot``, and in the stacks (zero where it adapts nothing)."""
+        self.slot_weights[slot] = weights
+        for key, layout in self.layout.items():
+            ab = weights.tensors.get(key) if weights is not None else None
+            stacked = self.stacks.get(key)
+            if stacked is None:
+                if ab is None:
+                    continue
+                width = len(layout.parts) * self.max_rank
+                stacked = (torch.zeros(self.max_loras, layout.in_features, width, dtype=self.dtype, device=self.device),
+                           torch.zeros(self.max_loras, width, layout.out_features, dtype=self.dtype,
+                                       device=self.device))
+                self.stacks[key] = stacked
+            a_stack, b_stack = stacked
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            if ab is not None:
+                a_stack[slot, :, : ab[0].shape[1]] = ab[0]
+                b_stack[slot, : ab[1].shape[0]] = ab[1]
 
     def begin_step(self, ids: Sequence[int], counts: Sequence[int],
                    kept_rows: torch.Tensor | None) -> LoRAStep | None:
@@ -101,7 +128,8 @@ class LoRAManager:
             return None
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"LoRA: {len(wanted)} adapters in one step, more than max_loras={self.max_loras}")
-        adapters = {i: self._weights(i, wanted) for i in sorted(wanted)}
-        row_adapters = torch.repeat_interleave(torch.tensor(ids, dtype=torch.int64),
-                                               torch.tensor(counts, dtype=torch.int64)).to(self.device)
-        return LoRAStep(row_adapters, adapters, kept_rows)
+        slot_of = {i: self._slot(i, wanted) for i in sorted(wanted)}
+        slots = [slot_of[i] if i else -1 for i in ids]
+        row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
+                                            torch.tensor(counts, dtype=torch.int64)).to(self.device)
+        return LoRAStep(row_slots, self.slot_weights, self.stacks, kept_rows)

@@ -1,9 +1,15 @@
 """The batched LoRA op: each row of a step's flat batch adds its own adapter's ``x @ A^T @ B^T``.
 
-Rows are grouped by adapter once per step (``LoRAStep``); each fused projection then runs two small
-matmuls per adapter present, on that adapter's rows only (``index_select`` / ``index_add_``; a group
-that is every row of the step needs neither), as Punica's segmented gather does. Base rows cost
-nothing, and a step without adapter rows never reaches this module.
+Rows are planned by adapter once per step (``LoRAStep``), then each fused projection runs either
+
+- **bmm**: the adapter rows gathered into one ``[slots, rows per slot, in]`` batch (padded with a zero
+  row), two ``bmm``s against the slots' stacked A and B, and one ``index_add_`` back (padding adds
+  zeros): five calls whatever the number of adapters, for steps whose adapters have similar row
+  counts (decodes); or
+- **segments**: per adapter, its rows' two small matmuls (``index_select`` / ``index_add_``; none where it
+  has every row), for steps where one adapter has most rows (a long prompt), where padding would waste.
+
+Base rows cost nothing, and a step without adapter rows never reaches this module.
 """
 
 from __future__ import annotations
@@ -16,55 +22,84 @@ from pagellm.lora.weights import LoRAWeights, TargetKey
 
 # (an adapter's weights, its rows of the batch; None: every row)
 Group = tuple[LoRAWeights, torch.Tensor | None]
+# A projection's A^T and B^T of every slot: [slots, in, R] and [slots, R, out] (zero where unused).
+Stacks = dict[TargetKey, tuple[torch.Tensor, torch.Tensor] | None]
+# bmm's slack: rows computed (slots x the largest slot's rows) may be this many times the adapter rows.
+BMM_PADDING = 1.5
 
 
-def group_rows(row_adapters: torch.Tensor, adapters: dict[int, LoRAWeights]) -> list[Group]:
-    """The rows of each adapter in ``row_adapters`` ([num_rows] adapter id per row, 0: the base model)."""
-    groups: list[Group] = []
-    n = row_adapters.shape[0]
-    for adapter_id, weights in adapters.items():
-        rows = torch.nonzero(row_adapters == adapter_id).flatten()
-        if rows.numel():
-            groups.append((weights, None if rows.numel() == n else rows))
-    return groups
+@dataclass
+class Plan:
+    """How a projection of ``num_rows`` rows adds the adapters: ``groups`` (segments) or the bmm indices."""
+
+    groups: list[Group]
+    gather: torch.Tensor | None = None  # [slots, m] rows of x (num_rows: the zero row)
+    scatter: torch.Tensor | None = None  # [slots * m] rows of out (padding: row 0, which gets zeros)
+
+
+def plan_rows(row_slots: torch.Tensor, slot_weights: list[LoRAWeights | None]) -> Plan:
+    """The plan for rows whose slot is ``row_slots`` ([num_rows], -1: the base model)."""
+    n = row_slots.shape[0]
+    rows = [torch.nonzero(row_slots == s).flatten() for s in range(len(slot_weights))]
+    groups: list[Group] = [(w, None if r.numel() == n else r)
+                           for w, r in zip(slot_weights, rows) if w is not None and r.numel()]
+    counts = [r.numel() for r in rows]
+    lora_rows = sum(counts)
+    if len(groups) < 2 or len(slot_weights) * max(counts) > BMM_PADDING * lora_rows:
+        return Plan(groups)
+    m = max(counts)
+    gather = torch.full((len(rows), m), n, dtype=torch.int64, device=row_slots.device)
+    for s, r in enumerate(rows):
+        gather[s, : r.numel()] = r
+    return Plan(groups, gather, torch.where(gather == n, 0, gather).flatten())
 
 
 @dataclass
 class LoRAStep:
-    """One step's adapters: the id of each row's adapter (0: base) and the rows of each adapter.
+    """One step's adapters: each row's slot (-1: the base model) and the slots' weights and stacks.
 
     The last layer may compute fewer rows after its attention (only those the LM head reads:
-    ``kept_rows``); its projections then find their groups among those rows."""
+    ``kept_rows``); its projections then plan among those rows."""
 
-    row_adapters: torch.Tensor  # [num_rows] int64
-    adapters: dict[int, LoRAWeights]
+    row_slots: torch.Tensor  # [num_rows] int64
+    slot_weights: list[LoRAWeights | None]
+    stacks: Stacks
     kept_rows: torch.Tensor | None = None  # [num_kept] rows of the batch the last layer keeps
-    _groups: dict[int, list[Group]] = field(default_factory=dict)
+    _plans: dict[int, Plan] = field(default_factory=dict)
 
-    def groups(self, num_rows: int) -> list[Group]:
-        """The groups of a projection whose input has ``num_rows`` rows."""
-        got = self._groups.get(num_rows)
+    def plan(self, num_rows: int) -> Plan:
+        """The plan of a projection whose input has ``num_rows`` rows."""
+        got = self._plans.get(num_rows)
         if got is None:
-            if num_rows == self.row_adapters.shape[0]:
-                got = group_rows(self.row_adapters, self.adapters)
+            if num_rows == self.row_slots.shape[0]:
+                got = plan_rows(self.row_slots, self.slot_weights)
             elif self.kept_rows is not None and num_rows == self.kept_rows.shape[0]:
-                got = group_rows(self.row_adapters[self.kept_rows], self.adapters)
+                got = plan_rows(self.row_slots[self.kept_rows], self.slot_weights)
             else:
-                raise RuntimeError(f"LoRA: a projection of {num_rows} rows in a step of "
-                                   f"{self.row_adapters.shape[0]} rows")
-            self._groups[num_rows] = got
+                raise RuntimeError(f"LoRA: a projection of {num_rows} rows in a step of {self.row_slots.shape[0]}")
+            self._plans[num_rows] = got
         return got
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, key: TargetKey, groups: list[Group]) -> torch.Tensor:
-    """``out`` (the base projection of ``x``) plus each group's adapter on its rows, in place."""
-    for weights, rows in groups:
+def add_lora(out: torch.Tensor, x: torch.Tensor, key: TargetKey, step: LoRAStep) -> torch.Tensor:
+    """``out`` (the base projection of ``x``) plus each row's adapter, in place."""
+    plan = step.plan(x.shape[0])
+    if plan.gather is not None:
+        stacked = step.stacks.get(key)
+        if stacked is None:
+            return out  # no adapter of the slots adapts this projection
+        a_t, b_t = stacked
+        x_ext = torch.cat((x, x.new_zeros(1, x.shape[1])))
+        h = torch.bmm(x_ext[plan.gather], a_t)
+        assert plan.scatter is not None
+        return out.index_add_(0, plan.scatter, torch.bmm(h, b_t).flatten(0, 1))
+    for weights, rows in plan.groups:
         ab = weights.tensors.get(key)
         if ab is None:
             continue  # this adapter leaves the projection alone
-        a_t, b_t = ab
+        a, b = ab
         if rows is None:
-            out.addmm_(x @ a_t, b_t)
+            out.addmm_(x @ a, b)
         else:
-            out.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
     return out
