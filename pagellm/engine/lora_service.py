@@ -59,8 +59,8 @@ class LoRAService:
         cfg = read_adapter_config(local, self.max_rank, request.lora_name)
         load_lora_weights(cfg, self.manager.layout, self.dtype, request.lora_name)  # (shapes against the model)
         checked = LoRARequest(request.lora_name, request.lora_int_id, str(local), request.base_model_name)
-        with self._lock:
-            self._checked[key] = checked
+        with self._lock:  # (under the local path too: the checked request comes back here with it)
+            self._checked[key] = self._checked[(checked.lora_name, checked.lora_path)] = checked
             self._ids[request.lora_int_id] = request.lora_name
         logger.info("LoRA adapter %r: %s (rank %d, scaling %g, %s)", request.lora_name, local, cfg.rank, cfg.scaling,
                     ", ".join(cfg.target_modules))
