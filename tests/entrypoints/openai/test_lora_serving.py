@@ -62,6 +62,8 @@ def test_adapters_by_model_name_listing_and_runtime_loading(setup):
     assert complete(client, "base", prompt) == texts["base"]
     with pytest.raises(openai.NotFoundError, match="'mlp' does not exist"):
         complete(client, "mlp", prompt)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search with the LoRA adapter 'attn'"):
+        client.completions.create(model="attn", prompt=prompt, max_tokens=2, extra_body={"use_beam_search": True})
 
     # Run-time loading: the API key guards it; then the adapter serves, and lists, until unloaded.
     body = {"lora_name": "mlp", "lora_path": str(adapters["mlp"])}
