@@ -8,6 +8,7 @@ packing and sharding see the base model they know.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -102,22 +103,31 @@ class LoRAManager:
         """Put ``weights`` (None: nothing) in ``slot``, and in the stacks (zero where it adapts nothing)."""
         self.slot_weights[slot] = weights
         for key, layout in self.layout.items():
-            ab = weights.tensors.get(key) if weights is not None else None
+            fused = weights.tensors.get(key) if weights is not None else None
             stacked = self.stacks.get(key)
             if stacked is None:
-                if ab is None:
+                if fused is None:
                     continue
-                width = len(layout.parts) * self.max_rank
-                stacked = (torch.zeros(self.max_loras, layout.in_features, width, dtype=self.dtype, device=self.device),
-                           torch.zeros(self.max_loras, width, layout.out_features, dtype=self.dtype,
-                                       device=self.device))
+                dt, dev = self.dtype, self.device
+                stacked = (torch.zeros(self.max_loras, layout.in_features, len(layout.parts) * self.max_rank,
+                                       dtype=dt, device=dev),
+                           [torch.zeros(self.max_loras, self.max_rank, width, dtype=dt, device=dev)
+                            for _, width in layout.parts])
                 self.stacks[key] = stacked
-            a_stack, b_stack = stacked
+            a_stack, b_stacks = stacked
             a_stack[slot].zero_()
-            b_stack[slot].zero_()
-            if ab is not None:
-                a_stack[slot, :, : ab[0].shape[1]] = ab[0]
-                b_stack[slot, : ab[1].shape[0]] = ab[1]
+            for b_stack in b_stacks:
+                b_stack[slot].zero_()
+            if fused is None:
+                continue
+            a_t, b_parts = fused
+            starts = list(itertools.accumulate((w for _, w in layout.parts), initial=0))
+            r = self.max_rank
+            for k, (offset, b_t) in enumerate(b_parts):
+                j = starts.index(offset)  # the part's place in the projection
+                rank = b_t.shape[0]
+                a_stack[slot, :, j * r : j * r + rank] = a_t[:, k * rank : (k + 1) * rank]
+                b_stacks[j][slot, :rank] = b_t
 
     def begin_step(self, ids: Sequence[int], counts: Sequence[int],
                    kept_rows: torch.Tensor | None) -> LoRAStep | None:

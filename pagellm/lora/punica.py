@@ -22,8 +22,9 @@ from pagellm.lora.weights import LoRAWeights, TargetKey
 
 # (an adapter's weights, its rows of the batch; None: every row)
 Group = tuple[LoRAWeights, torch.Tensor | None]
-# A projection's A^T and B^T of every slot: [slots, in, R] and [slots, R, out] (zero where unused).
-Stacks = dict[TargetKey, tuple[torch.Tensor, torch.Tensor] | None]
+# A projection's A^T of every slot, [slots, in, parts * max_rank] (part j in columns j * max_rank on), and
+# each part's B^T, [slots, max_rank, width] (zero where unused).
+Stacks = dict[TargetKey, tuple[torch.Tensor, list[torch.Tensor]]]
 # bmm's slack: rows computed (slots x the largest slot's rows) may be this many times the adapter rows.
 BMM_PADDING = 1.5
 
@@ -88,18 +89,26 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, key: TargetKey, step: LoRAStep)
         stacked = step.stacks.get(key)
         if stacked is None:
             return out  # no adapter of the slots adapts this projection
-        a_t, b_t = stacked
+        a_t, b_stacks = stacked
         x_ext = torch.cat((x, x.new_zeros(1, x.shape[1])))
         h = torch.bmm(x_ext[plan.gather], a_t)
+        rank = b_stacks[0].shape[1]
+        ys = [torch.bmm(h[:, :, j * rank : (j + 1) * rank], b) for j, b in enumerate(b_stacks)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         assert plan.scatter is not None
-        return out.index_add_(0, plan.scatter, torch.bmm(h, b_t).flatten(0, 1))
+        return out.index_add_(0, plan.scatter, y.flatten(0, 1))
     for weights, rows in plan.groups:
-        ab = weights.tensors.get(key)
-        if ab is None:
+        fused = weights.tensors.get(key)
+        if fused is None:
             continue  # this adapter leaves the projection alone
-        a, b = ab
-        if rows is None:
-            out.addmm_(x @ a, b)
-        else:
-            out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+        a, b_parts = fused
+        h = (x if rows is None else x.index_select(0, rows)) @ a
+        rank = weights.rank
+        for k, (offset, b) in enumerate(b_parts):
+            y = h[:, k * rank : (k + 1) * rank] @ b
+            view = out[:, offset : offset + b.shape[1]]  # (the part's columns: no zeros for the others)
+            if rows is None:
+                view.add_(y)
+            else:
+                view.index_add_(0, rows, y)
     return out

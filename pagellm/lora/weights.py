@@ -1,5 +1,5 @@
-"""A PEFT adapter's tensors as pagellm computes them: per fused projection of each layer, ``A^T``
-(the targeted parts' A stacked) and ``B^T`` (their B, block-diagonal over the fused output, scaled)."""
+"""A PEFT adapter's tensors as pagellm computes them: per fused projection of each layer, ``A^T`` (the
+targeted parts' A side by side) and each part's ``B^T`` (scaled; None for a part it leaves alone)."""
 
 from __future__ import annotations
 
@@ -33,21 +33,26 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+# A^T [in, k*r] (the k parts it adapts, in output order), and per such part (its first column of the
+# projection's output, its B^T [r, width]).
+FusedLoRA = tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]
+
+
 @dataclass
 class LoRAWeights:
-    """One adapter's tensors: ``(A^T [in, k*r], B^T [k*r, out])`` per targeted fused projection."""
+    """One adapter's tensors, per targeted fused projection."""
 
     name: str
     rank: int
-    tensors: dict[TargetKey, tuple[torch.Tensor, torch.Tensor]]
+    tensors: dict[TargetKey, FusedLoRA]
 
     def to(self, device: torch.device) -> LoRAWeights:
-        moved = {k: (a.to(device), b.to(device)) for k, (a, b) in self.tensors.items()}
+        moved = {k: (a.to(device), [(off, b.to(device)) for off, b in bs]) for k, (a, bs) in self.tensors.items()}
         return LoRAWeights(self.name, self.rank, moved)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+        return sum(t.numel() * t.element_size() for a, bs in self.tensors.values() for t in (a, *(b for _, b in bs)))
 
 
 def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout], dtype: torch.dtype,
@@ -74,7 +79,7 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
     if not found:
         raise LoRAError(f"{label}: {cfg.weights_path.name} holds no LoRA weights")
     num_layers = 1 + max(layer for layer, _ in layout)
-    tensors: dict[TargetKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    tensors: dict[TargetKey, FusedLoRA] = {}
     for fused, parts in FUSED_PARTS.items():
         for layer in range(num_layers):
             present = [p for p in parts if (layer, p) in found]
@@ -93,13 +98,12 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
 
 def _fuse(found: dict[tuple[int, str], dict[str, torch.Tensor]], layer: int, present: list[str],
           target: TargetLayout, cfg: AdapterConfig, dtype: torch.dtype, label: str
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A^T and B^T of one fused projection from its present parts (B scaled, zero where a part is absent)."""
+          ) -> FusedLoRA:
+    """A^T and the parts' B^T (scaled) of one fused projection from its present parts."""
     r = cfg.rank
     a_t = torch.zeros(target.in_features, r * len(present), dtype=torch.float32)
-    b_t = torch.zeros(r * len(present), target.out_features, dtype=torch.float32)
-    offset = 0
-    col = 0
+    b_parts: list[tuple[int, torch.Tensor]] = []
+    col = offset = 0
     for part, width in target.parts:
         if part in present:
             ab = found[(layer, part)]
@@ -111,7 +115,7 @@ def _fuse(found: dict[tuple[int, str], dict[str, torch.Tensor]], layer: int, pre
                                 f"rank {r} on this model needs A {(r, target.in_features)} and B {(width, r)}: an "
                                 "adapter of another base model?")
             a_t[:, col : col + r] = a.T
-            b_t[col : col + r, offset : offset + width] = b.T * cfg.scaling
+            b_parts.append((offset, (b.T * cfg.scaling).to(dtype).contiguous()))
             col += r
         offset += width
-    return a_t.to(dtype).contiguous(), b_t.to(dtype).contiguous()
+    return a_t.to(dtype).contiguous(), b_parts
