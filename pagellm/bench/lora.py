@@ -17,6 +17,7 @@ import torch
 from pagellm.bench import backends as be
 from pagellm.bench.report import write_json
 from pagellm.bench.workloads import Workload, random_workload
+from pagellm.lora.request import LoRARequest
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -54,8 +55,6 @@ def write_random_adapters(config: Any, folder: Path, count: int, rank: int, seed
 def run_lora(args: argparse.Namespace, model: Path, model_name: str, config: Any, workload: Workload,
              kwargs: dict[str, Any]) -> int:
     """Print and write the mixed-adapter and single-stream comparisons; returns the exit status."""
-    from pagellm import LoRARequest
-
     n, rank = args.lora, args.lora_rank
     adapters = write_random_adapters(config, args.output_dir / "lora-adapters" / model_name, n, rank)
     loras = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
