@@ -66,10 +66,12 @@ def run_lora(args: argparse.Namespace, model: Path, model_name: str, config: Any
         for key, kw, assigned in (("base", kwargs, None), ("lora", lora_kwargs, mixed)):
             res, llm = be.run_pagellm(model, workload, args.dtype, kw, label=f"{key}-{run + 1}", loras=assigned)
             times[key].append(res.elapsed_s)
+            print(f"  {key} run {run + 1}: {res.elapsed_s:.2f} s", flush=True)
             del llm
         for key, kw, assigned in (("base_decode", kwargs, None), ("lora_decode", lora_kwargs, loras[:1])):
             res, llm = be.run_pagellm(model, stream, args.dtype, kw, label=f"{key}-{run + 1}", loras=assigned)
             times[key].append(res.detail["decode_tok_s"][0])
+            print(f"  {key} run {run + 1}: {times[key][-1]:.1f} tok/s", flush=True)
             del llm
     med = {k: statistics.median(v) for k, v in times.items()}
     mixed_x, decode_share = med["lora"] / med["base"], med["lora_decode"] / med["base_decode"]

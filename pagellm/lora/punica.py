@@ -1,6 +1,8 @@
 """The batched LoRA op: each row of a step's flat batch adds its own adapter's ``x @ A^T @ B^T``.
 
-Rows are planned by adapter once per step (``LoRAStep``), then each fused projection runs either
+Rows are planned by adapter once per step (``LoRAStep``). A run of at least ``LONG_RUN`` consecutive rows
+of one adapter (a prompt's chunk: a sequence's rows are contiguous) multiplies its slice of the batch in
+place, no copy. The other rows (decodes) then run either
 
 - **bmm**: the adapter rows gathered into one ``[slots, rows per slot, in]`` batch (padded with a zero
   row), two ``bmm``s against the slots' stacked A and B, and one ``index_add_`` back (padding adds
@@ -27,6 +29,8 @@ Group = tuple[LoRAWeights, torch.Tensor | None]
 Stacks = dict[TargetKey, tuple[torch.Tensor, list[torch.Tensor]]]
 # bmm's slack: rows computed (slots x the largest slot's rows) may be this many times the adapter rows.
 BMM_PADDING = 1.5
+# Consecutive rows of one adapter computed as a slice of the batch (fewer: among the gathered rows).
+LONG_RUN = 16
 
 
 @dataclass
@@ -34,12 +38,34 @@ class Plan:
     """How a projection of ``num_rows`` rows adds the adapters: ``groups`` (segments) or the bmm indices."""
 
     groups: list[Group]
+    runs: list[tuple[int, int, LoRAWeights]] = field(default_factory=list)  # (first row, end, adapter)
     gather: torch.Tensor | None = None  # [slots, m] rows of x (num_rows: the zero row)
     scatter: torch.Tensor | None = None  # [slots * m] rows of out (padding: row 0, which gets zeros)
 
 
 def plan_rows(row_slots: torch.Tensor, slot_weights: list[LoRAWeights | None]) -> Plan:
     """The plan for rows whose slot is ``row_slots`` ([num_rows], -1: the base model)."""
+    n = row_slots.shape[0]
+    runs = []
+    if n >= LONG_RUN:
+        ends = (torch.nonzero(row_slots[1:] != row_slots[:-1]).flatten() + 1).tolist() + [n]
+        start = 0
+        for end in ends:
+            slot = int(row_slots[start])
+            weights = slot_weights[slot] if slot >= 0 else None
+            if end - start >= LONG_RUN and weights is not None:
+                runs.append((start, end, weights))
+            start = end
+        if runs:
+            row_slots = row_slots.clone()
+            for start, end, _ in runs:
+                row_slots[start:end] = -1  # (done as slices)
+    plan = _plan_gathered(row_slots, slot_weights)
+    plan.runs = runs
+    return plan
+
+
+def _plan_gathered(row_slots: torch.Tensor, slot_weights: list[LoRAWeights | None]) -> Plan:
     n = row_slots.shape[0]
     rows = [torch.nonzero(row_slots == s).flatten() for s in range(len(slot_weights))]
     groups: list[Group] = [(w, None if r.numel() == n else r)
@@ -52,7 +78,7 @@ def plan_rows(row_slots: torch.Tensor, slot_weights: list[LoRAWeights | None]) -
     gather = torch.full((len(rows), m), n, dtype=torch.int64, device=row_slots.device)
     for s, r in enumerate(rows):
         gather[s, : r.numel()] = r
-    return Plan(groups, gather, torch.where(gather == n, 0, gather).flatten())
+    return Plan(groups, gather=gather, scatter=torch.where(gather == n, 0, gather).flatten())
 
 
 @dataclass
@@ -85,6 +111,13 @@ class LoRAStep:
 def add_lora(out: torch.Tensor, x: torch.Tensor, key: TargetKey, step: LoRAStep) -> torch.Tensor:
     """``out`` (the base projection of ``x``) plus each row's adapter, in place."""
     plan = step.plan(x.shape[0])
+    for start, end, weights in plan.runs:
+        fused = weights.tensors.get(key)
+        if fused is not None:
+            a, b_parts = fused
+            h = x[start:end] @ a
+            for k, (offset, b) in enumerate(b_parts):
+                out[start:end, offset : offset + b.shape[1]].addmm_(h[:, k * weights.rank : (k + 1) * weights.rank], b)
     if plan.gather is not None:
         stacked = step.stacks.get(key)
         if stacked is None:

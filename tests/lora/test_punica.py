@@ -40,12 +40,16 @@ def reference(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
     return out
 
 
+DECODES = [2, -1, 0, 0, 1, 2, -1, 1, 0]
+
+
 @pytest.mark.parametrize("padding", [0.0, 100.0])  # segments only; bmm wherever it applies
-def test_each_row_gets_its_own_adapter(monkeypatch, padding):
+@pytest.mark.parametrize("prompts", [[], [1] * 20 + [-1] * 17 + [2] * 16])  # then runs of one adapter's rows
+def test_each_row_gets_its_own_adapter(monkeypatch, padding, prompts):
     monkeypatch.setattr(punica, "BMM_PADDING", padding)
     weights, stacks = adapters([4, 2, 4], [[0, 1, 2], [1], [0, 2]])
     gen = torch.Generator().manual_seed(1)
-    row_slots = torch.tensor([2, -1, 0, 0, 1, 2, -1, 1, 0])
+    row_slots = torch.tensor(DECODES + prompts)
     x = torch.randn(len(row_slots), 12, generator=gen)
     base = torch.randn(len(row_slots), sum(WIDTHS), generator=gen)
     step = LoRAStep(row_slots, list(weights), stacks, kept_rows=torch.tensor([0, 4, 6]))
@@ -57,4 +61,5 @@ def test_each_row_gets_its_own_adapter(monkeypatch, padding):
     torch.testing.assert_close(got, want)
     kept = add_lora(base[[0, 4, 6]].clone(), x[[0, 4, 6]], KEY, step)  # the last layer's rows
     torch.testing.assert_close(kept, want[[0, 4, 6]])
-    assert (step.plan(9).gather is not None) == (padding > 1)
+    assert (step.plan(len(row_slots)).gather is not None) == (padding > 1)
+    assert len(step.plan(len(row_slots)).runs) == (2 if prompts else 0)
