@@ -31,6 +31,8 @@ Stacks = dict[TargetKey, tuple[torch.Tensor, list[torch.Tensor]]]
 BMM_PADDING = 1.5
 # Consecutive rows of one adapter computed as a slice of the batch (fewer: among the gathered rows).
 LONG_RUN = 16
+# An adapter with every row of a step, up to this many, multiplies its block-diagonal B in one call.
+FEW_ROWS = 64
 
 
 @dataclass
@@ -136,6 +138,9 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, key: TargetKey, step: LoRAStep)
             continue  # this adapter leaves the projection alone
         a, b_parts = fused
         h = (x if rows is None else x.index_select(0, rows)) @ a
+        if rows is None and x.shape[0] <= FEW_ROWS and key in weights.full_b:
+            out.addmm_(h, weights.full_b[key])  # (one call for every part: a decode stream's)
+            continue
         rank = weights.rank
         for k, (offset, b) in enumerate(b_parts):
             y = h[:, k * rank : (k + 1) * rank] @ b

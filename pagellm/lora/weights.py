@@ -4,7 +4,7 @@ targeted parts' A side by side) and each part's ``B^T`` (scaled; None for a part
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,10 +45,13 @@ class LoRAWeights:
     name: str
     rank: int
     tensors: dict[TargetKey, FusedLoRA]
+    # Per projection, the parts' B^T block-diagonal over its whole output [k*r, out] (zero elsewhere): one
+    # matmul for a few rows, where the calls cost more than the zeros read.
+    full_b: dict[TargetKey, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> LoRAWeights:
         moved = {k: (a.to(device), [(off, b.to(device)) for off, b in bs]) for k, (a, bs) in self.tensors.items()}
-        return LoRAWeights(self.name, self.rank, moved)
+        return LoRAWeights(self.name, self.rank, moved, {k: b.to(device) for k, b in self.full_b.items()})
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +83,7 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
         raise LoRAError(f"{label}: {cfg.weights_path.name} holds no LoRA weights")
     num_layers = 1 + max(layer for layer, _ in layout)
     tensors: dict[TargetKey, FusedLoRA] = {}
+    full_b: dict[TargetKey, torch.Tensor] = {}
     for fused, parts in FUSED_PARTS.items():
         for layer in range(num_layers):
             present = [p for p in parts if (layer, p) in found]
@@ -89,11 +93,21 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
                     raise LoRAError(f"{label}: it adapts {', '.join(present)} of layer {layer}, which this model "
                                     "computes in a way pagellm does not adapt (e.g. a mixture of experts)")
                 tensors[(layer, fused)] = _fuse(found, layer, present, target, cfg, dtype, label)
+                full_b[(layer, fused)] = _block_diagonal(tensors[(layer, fused)], target.out_features)
     extra = sorted({layer for layer, _ in found if layer >= num_layers})
     if extra:
         raise LoRAError(f"{label}: it adapts layer {extra[0]} but the model has {num_layers} layers: an adapter of "
                         "another base model?")
-    return LoRAWeights(name, cfg.rank, tensors)
+    return LoRAWeights(name, cfg.rank, tensors, full_b)
+
+
+def _block_diagonal(fused: FusedLoRA, out_features: int) -> torch.Tensor:
+    a_t, parts = fused
+    r = a_t.shape[1] // len(parts)
+    full = a_t.new_zeros(a_t.shape[1], out_features)
+    for k, (offset, b) in enumerate(parts):
+        full[k * r : (k + 1) * r, offset : offset + b.shape[1]] = b
+    return full
 
 
 def _fuse(found: dict[tuple[int, str], dict[str, torch.Tensor]], layer: int, present: list[str],
