@@ -35,12 +35,14 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "pagellm.outputs",
     "ClassificationRequestOutput": "pagellm.outputs",
     "ScoringRequestOutput": "pagellm.outputs",
+    "LoRARequest": "pagellm.lora.request",
 }
 
 __all__ = [
     "LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "SamplingParams",
     "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "__version__",
     "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+    "LoRARequest",
 ]
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
+    from pagellm.lora.request import LoRARequest
     from pagellm.outputs import (
         ClassificationRequestOutput,
         CompletionOutput,

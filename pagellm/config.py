@@ -17,6 +17,8 @@ from pagellm.constraint_limits import (
     DEFAULT_MAX_RULES,
     ConstraintLimits,
 )
+from pagellm.lora.settings import check_lora_args
+from pagellm.prompt_file import read_prompt_file
 from pagellm.sampling_params import SEED_RANGE
 from pagellm.vllm_args import VLLM_ONLY_ARGS, check_vllm_engine_fields, check_vllm_only_arg
 
@@ -43,26 +45,6 @@ def parse_memory(value: int | float | str) -> int:
     if n <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return n
-
-
-def read_prompt_file(path: str) -> list[str]:
-    """Prompts from a file: a JSON list of strings, or one prompt per line."""
-    import json
-    from pathlib import Path
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--preload-prompts file {path!r} does not exist")
-    text = file.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        try:
-            prompts = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--preload-prompts file {path!r} is not a valid JSON list: {e}") from e
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError(f"--preload-prompts file {path!r} must hold a JSON list of strings")
-        return prompts
-    return [line for line in text.splitlines() if line.strip()]
 
 
 # vLLM's --dtype names; "half" and "float" are its aliases of float16 and float32.
@@ -174,6 +156,11 @@ class EngineArgs:
     served_model_name: str | list[str] | None = field(default=None, metadata=_flag(
         "the model's name(s) in the API: the first is the one reported, every one is accepted "
         "(default: the model path)", nargs="+"))
+    enable_lora: bool = field(default=False, metadata=_flag("serve LoRA adapters (PEFT folders, hub ids)"))
+    max_loras: int = field(default=1, metadata=_flag("most distinct LoRA adapters in one step (others wait)"))
+    max_lora_rank: int = field(default=16, metadata=_flag("largest rank r a LoRA adapter may have"))
+    max_cpu_loras: int | None = field(default=None, metadata=_flag(
+        "most LoRA adapters kept loaded in memory, least recently used out (default: --max-loras)"))
     # vLLM's arguments that scripts pass without thinking: accepted, with a clear error for a value
     # pagellm cannot honour.
     gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
@@ -353,6 +340,7 @@ class EngineArgs:
             if not self.enable_prefix_caching:
                 raise ValueError("preload_prompts needs prefix caching: drop --no-enable-prefix-caching")
         self._check_vllm_arguments()
+        check_lora_args(self)
         _ = self.constraint_limits  # ValueError naming a --structured-outputs-* flag out of range
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype (--dtype) must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")

@@ -149,7 +149,6 @@ def log_ignored_engine_args(args: Any, from_hub: bool = False) -> None:
 VLLM_ONLY_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "skip_tokenizer_init": ((False,), "pagellm needs the tokenizer (stop strings, chat templates)"),
     "cpu_offload_gb": ((0, 0.0), "weights stay on the device they run on"),
-    "enable_lora": ((False,), "LoRA adapters are not supported yet"),
     "disable_custom_all_reduce": ((False, True), "the ranks' all-reduces are torch.distributed's"),
 }
 

@@ -57,10 +57,12 @@ class BackendResult:
 
 
 def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict[str, Any],
-                label: str = "pagellm", kv_strip: bool = False, constrain: bool = True) -> tuple[BackendResult, Any]:
+                label: str = "pagellm", kv_strip: bool = False, constrain: bool = True,
+                loras: list[Any] | None = None) -> tuple[BackendResult, Any]:
     """Run on pagellm; returns the result and the LLM (its step log feeds the roofline). ``kv_strip``:
     also record the block grid over the run (``BackendResult.kv_strip``); ``constrain``: apply the
-    workload's JSON schema to the requests it marks (json-schema)."""
+    workload's JSON schema to the requests it marks (json-schema); ``loras``: each request's LoRARequest
+    (None: the base model), cycled over the requests."""
     from pagellm import LLM, SamplingParams, StructuredOutputsParams
 
     longest = max(len(p) for p in workload.prompts) + max(workload.output_lens)
@@ -72,12 +74,15 @@ def run_pagellm(model: Path, workload: Workload, dtype: str, engine_kwargs: dict
         so = StructuredOutputsParams(json=workload.meta["schema"])
         params = [p.clone(structured_outputs=so) if marked else p
                   for p, marked in zip(params, workload.meta["constrained"])]
-    llm.generate(workload.prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
+    lora = [loras[i % len(loras)] for i in range(len(workload.prompts))] if loras else None
+    llm.generate(workload.prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False,  # warm-up
+                 lora_request=lora[:2] if lora else None)
     llm.reset_prefix_cache()
     log = StepLog.install(llm.llm_engine)
     strip = KVStripRecorder.install(llm.llm_engine) if kv_strip else None
     t0 = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=lambda **kw: progress(label, kw["total"]))
+    outs = llm.generate(workload.prompts, params, use_tqdm=lambda **kw: progress(label, kw["total"]),
+                        lora_request=lora)
     elapsed = time.perf_counter() - t0
     got = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert got == workload.output_tokens, f"pagellm produced {got} tokens, expected {workload.output_tokens}"

@@ -13,6 +13,7 @@ import torch
 from pagellm.bench import backends as be
 from pagellm.bench import llama_cpp
 from pagellm.bench.kv_strip import plot_kv_strip
+from pagellm.bench.lora import run_lora
 from pagellm.bench.rag import add_rag_args, check_rag_args, run_rag
 from pagellm.bench.report import append_markdown_row, bar_plot, line_plot, ratio, warn_if_no_plots, write_json
 from pagellm.bench.roofline import decode_efficiency, measure_machine
@@ -170,6 +171,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="threads of pagellm (torch) and llama.cpp alike (default: torch's own count)")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=list(be.HF_BATCH_SIZES),
                    help="hf-batched: the static batch sizes tried (the best one is reported)")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="pagellm only: the workload on N random LoRA adapters mixed uniformly vs the base model, and "
+                        "one stream's decode speed with one adapter vs the base model (bench/lora.py)")
+    p.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapters' rank (default 16)")
+    p.add_argument("--lora-runs", type=int, default=3, help="--lora: runs of each, their median reported (default 3)")
     p.add_argument("--kv-strip", action="store_true",
                    help="pagellm: also write its KV block grid over the run as a PNG strip (*-kv-grid.png, the "
                         "dashboard's grid over time; bench memory always writes it)")
@@ -198,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--hf-batch-sizes must all be >= 1, got {' '.join(map(str, args.hf_batch_sizes))}")
     model, model_name, config = prepare(args, gguf_ok=True)
     workload = build_workload(args, config.vocab_size)
+    if args.lora:
+        if args.lora < 1 or args.lora_rank < 1 or args.lora_runs < 1:
+            raise ValueError("--lora, --lora-rank and --lora-runs must be >= 1")
+        return run_lora(args, model, model_name, config, workload, engine_kwargs(args))
     print(f"workload {workload.name}: {plural(workload.num_requests, 'request')} x n={workload.n}, "
           f"{plural(workload.prompt_tokens, 'prompt token')}, {plural(workload.output_tokens, 'output token')}; "
           f"model {model_name} ({args.dtype}, {plural(threads, 'thread')})")

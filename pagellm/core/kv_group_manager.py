@@ -170,11 +170,14 @@ class KVGroupManager(GroupDiskTier):
         while len(keys) <= index:
             i = len(keys)
             parent = keys[i - 1][0] if i else None
-            # Extra keys (the cache salt; the side of a longrope switch the sequence is on) enter the
-            # first block, and through the chain all others.
+            # Extra keys (the cache salt; the LoRA adapter; the side of a longrope switch the sequence is
+            # on) enter the first block, and through the chain all others.
             extra: object = None
             if i == 0:
                 extra = seq.request.cache_salt
+                lora = seq.request.lora_request
+                if lora is not None:  # an adapter's K/V differ from the base model's and other adapters'
+                    extra = (extra, "lora", lora.lora_name, lora.lora_path)
                 if self.switch_length is not None and seq.num_tokens > self.switch_length:
                     extra = (extra, "long")
             key = (parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)), extra)

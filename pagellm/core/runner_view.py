@@ -127,7 +127,7 @@ class RunnerView:
             ids = [view.copy(g.block_tables[seq_id], frozen) for view, g in zip(views, self.groups)]
             self._sent[seq_id] = _SentSeq(num_tokens, views)
             out.new_seqs.append(NewSeqData(seq_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.params,
-                                           seq.seed, ids))
+                                           seq.seed, ids, seq.request.lora_request))
             return
         tokens = seq.token_slice(sent.num_tokens, num_tokens) if num_tokens > sent.num_tokens else []
         sent.num_tokens = num_tokens

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a light module: no torch either way)
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling_params import SamplingParams
 
 # One KV cache group's block moves of a step, in the order the worker runs them: (swap out: device ->
@@ -81,6 +82,8 @@ class NewSeqData:
     sampling_params: SamplingParams | None
     seed: int | None
     block_tables: list[list[int]]  # [group][i]: block ids
+    # The LoRA adapter the sequence runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.lora_limit import adapter_ids, lora_fits
 from pagellm.core.policy import SchedulingPolicy, make_policy, met_slos
 from pagellm.core.prefix_hits import prefix_hit, starts_disk_read
 from pagellm.core.runner_output import ModelRunnerOutput, SampleResult
@@ -60,6 +61,8 @@ class SchedulerConfig:
     recompute_past_length: int | None = None
     # Speculative decoding (n-gram drafts); None: off.
     speculative: SpeculativeConfig | None = None
+    # Most distinct LoRA adapters among the running sequences (--max-loras); None: LoRA off.
+    max_loras: int | None = None
 
 
 @dataclass
@@ -232,8 +235,13 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         cfg = self.config
         taken = self._seats_taken()
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        loras = adapter_ids(self.running)
+        at = 0  # (past the sequences whose adapter cannot join this step's)
+        while at < len(self.waiting) and budget > 0:
+            seq = self.waiting[at]
+            if not lora_fits(seq, loras, cfg.max_loras):
+                at += 1
+                continue
             seats = self._seats(seq)
             if taken + seats > cfg.max_num_seqs:
                 break
@@ -253,7 +261,8 @@ class Scheduler:
                 if not self.running and self.kv_cache_manager.release_staged():
                     continue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(at)
+            loras |= adapter_ids([seq])
             if not seq.was_admitted:
                 seq.was_admitted = True
                 seq.num_cached_tokens = hit_tokens
@@ -295,7 +304,8 @@ class Scheduler:
     def _swap_in_next(self) -> None:
         """Bring the most urgent swapped sequence back if it fits, leaving room for the running ones."""
         seq = self.swapped[0]
-        if self._seats_taken() + self._seats(seq) > self.config.max_num_seqs:
+        if (self._seats_taken() + self._seats(seq) > self.config.max_num_seqs
+                or not lora_fits(seq, adapter_ids(self.running), self.config.max_loras)):
             return
         if not self.kv_cache_manager.swap_in(seq, reserve=self._decode_reserve()):
             return

@@ -11,6 +11,7 @@ from pagellm.core.token_lists import TokenLists
 from pagellm.outputs import RequestMetrics
 
 if TYPE_CHECKING:  # core stays importable without torch
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling_params import SamplingParams
 
 
@@ -117,6 +118,8 @@ class Request:
     tpot_slo: float | None = None
     # Isolates tenants in the prefix cache: blocks are shared only between requests with the same salt.
     cache_salt: str | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
     seqs: list[Sequence] = field(default_factory=list)
     # Children of an n > 1 request that fork from seqs[0] when its prompt is done.
     pending_children: list[Sequence] = field(default_factory=list)

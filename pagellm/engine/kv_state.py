@@ -188,4 +188,6 @@ def _request_row(request: Request, seqs: list[Sequence], manager: KVCacheManager
         "ttft_deadline": (request.arrival_time + ttft_slo
                           if ttft_slo is not None and request.metrics.first_token_time is None else None),
         "preemptions": request.metrics.num_preemptions,
+        # The LoRA adapter the request runs with (None: the base model).
+        "lora_adapter": request.lora_request.lora_name if request.lora_request is not None else None,
     }

@@ -23,8 +23,10 @@ from pagellm.distributed.tensor_parallel import TensorParallelDriver, local_devi
 from pagellm.engine import spec_decode, startup, tp_worker
 from pagellm.engine.input_processor import ChatTemplateSyntaxError, InputProcessor, PromptType
 from pagellm.engine.kv_offload import open_disk_tier, save_cached_blocks
+from pagellm.engine.lora_service import LoRAService
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.phases import log_ready, phase
+from pagellm.lora.request import LoRARequest
 from pagellm.model import loader
 from pagellm.model.generation_config import default_sampling_fields
 from pagellm.model.hf_overrides import apply_hf_overrides
@@ -172,7 +174,8 @@ class LLMEngine:
         with phase("loading the weights"):
             self.model = loader.load_model(files, config, self.dtype, self.device, args.load_format,
                                            self.max_model_len, shard=shard_for(0, world),
-                                           quantization=args.quantization, batch_invariant=args.batch_invariant)
+                                           quantization=args.quantization, batch_invariant=args.batch_invariant,
+                                           lora=args.enable_lora)
         self.vocab_size = config.vocab_size
         self.block_size = args.block_size
         # (model.config: under tensor parallelism, one rank's heads, what its KV pool holds)
@@ -202,6 +205,7 @@ class LLMEngine:
                 default_tpot_slo=args.default_tpot_slo,
                 recompute_past_length=switch_length,
                 speculative=self.speculative,
+                max_loras=args.max_loras if args.enable_lora else None,
             ),
             self.kv_cache_manager,
             eos_token_ids=self.eos_token_ids,
@@ -215,6 +219,7 @@ class LLMEngine:
                 self.speculative, args, self.model, self.cache_engine, sampler, self.device, self.dtype, self.tokenizer,
                 self.max_model_len, sliding_window=sliding_window_of(config), structured_output=self.structured_output,
                 calculate_kv_scales=args.calculate_kv_scales)
+        self.lora = LoRAService(args, self.model_runner, self.dtype, self.device) if args.enable_lora else None
         if args.kv_offload_dir is not None:
             with phase("opening the KV tier on disk"):
                 self.model_runner.disk_store = open_disk_tier(args, files, config, self.dtype,
@@ -252,13 +257,20 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                     ttft_slo: float | None = None, tpot_slo: float | None = None) -> Request:
+                     ttft_slo: float | None = None, tpot_slo: float | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError on bad input.
 
         Touches no engine state, so a server can call it while a step runs in another thread.
         """
-        return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, cache_salt,
-                                                 ttft_slo, tpot_slo)
+        request = self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, cache_salt,
+                                                    ttft_slo, tpot_slo)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {getattr(lora_request, 'lora_name', lora_request)!r} requested, but "
+                                 "the engine was started without LoRA: pass enable_lora=True (--enable-lora)")
+            request.lora_request = self.lora.check(lora_request)
+        return request
 
     def check_prompt_length(self, num_tokens: int) -> None:
         """ValueError unless a prompt of ``num_tokens`` leaves room for one new token."""
@@ -274,11 +286,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         ttft_slo: float | None = None,
         tpot_slo: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt, ttft_slo, tpot_slo)
+        request = self.make_request(request_id, prompt, params, arrival_time, priority, cache_salt, ttft_slo, tpot_slo,
+                                    lora_request)
         self.enqueue(request)
         return request
 

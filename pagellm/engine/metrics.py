@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from pagellm.core.lora_limit import adapter_names
 from pagellm.core.sequence import Request
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.metric_families import (
@@ -128,6 +129,11 @@ class EngineMetrics:
             }
         if f.vllm:
             self._cache_config_info(engine)
+        # vLLM's vllm:lora_requests_info: one series, labelled with the adapters running and waiting, set to
+        # the time of the last step (readers take the newest); only where LoRA is enabled, as in vLLM.
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=self.registry) if f.vllm and engine.lora is not None else None
         self.model_name = model_name
         # Create every series up front so that /metrics lists them before the first request.
         for metric in (self.pc_queries, self.pc_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
@@ -244,6 +250,13 @@ class EngineMetrics:
         self.running.labels().set(stats.num_running)
         self.waiting.labels().set(stats.num_waiting)
         self.swapped.labels().set(stats.num_swapped)
+        if self.lora_info is not None:
+            scheduler = self.engine.scheduler
+            self.lora_info.clear()
+            self.lora_info.labels(max_lora=str(self.engine.args.max_loras),
+                                  waiting_lora_adapters=",".join(adapter_names(scheduler.waiting)),
+                                  running_lora_adapters=",".join(adapter_names(scheduler.running))
+                                  ).set_to_current_time()
         self.kv_usage.labels().set(stats.kv_cache_usage)
         self.blocks_util.labels().set(stats.kv_cache_usage)
         self.kv_util.labels().set(stats.kv_cache_utilization)

@@ -18,6 +18,7 @@ from pagellm.engine.llm_engine import LLMEngine, PromptType
 from pagellm.engine.pooling_engine import PoolingEngine
 from pagellm.engine.runner_choice import pooling_task
 from pagellm.entrypoints.pooling_api import PoolingAPI
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.text import plural
@@ -104,12 +105,14 @@ class LLM(PoolingAPI):
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many; outputs come back in input order.
 
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
         ``{"prompt_token_ids": [...]}``. Give one SamplingParams for all or one per prompt;
-        ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``.
+        ``priority`` (one per prompt, lower first) matters with ``scheduling_policy="priority"``;
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's.
         """
         self._generative("generate")
         prompts = _as_prompt_list(prompts)
@@ -132,7 +135,14 @@ class LLM(PoolingAPI):
         if len(priorities) != len(prompts):
             raise ValueError(f"got {plural(len(priorities), 'priority', 'priorities')} for "
                              f"{plural(len(prompts), 'prompt')}: give one per prompt")
-        return self._run(prompts, params_list, use_tqdm, priorities)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {plural(len(prompts), 'prompt')}: give one, or "
+                                 "one per prompt")
+        return self._run(prompts, params_list, use_tqdm, priorities, loras)
 
     def chat(
         self,
@@ -144,6 +154,7 @@ class LLM(PoolingAPI):
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template
         (given ``tools``, OpenAI's function definitions, where the template renders them). As in vLLM,
@@ -163,17 +174,20 @@ class LLM(PoolingAPI):
                                                       template_kwargs=chat_template_kwargs)
             text = self.llm_engine.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool | Callable[..., Any],
-             priorities: list[int] | None = None) -> list[RequestOutput]:
+             priorities: list[int] | None = None, loras: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, priorities or [0] * len(ids)):
+            for rid, prompt, p, prio, lora in zip(ids, prompts, params, priorities or [0] * len(ids),
+                                                  loras or [None] * len(ids)):
                 # Only final outputs are returned: the engine need not build one every step.
-                engine.add_request(rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=prio)
+                engine.add_request(rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority=prio,
+                                   lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # a bad prompt queues nothing of its batch

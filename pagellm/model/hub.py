@@ -108,6 +108,12 @@ def download_tokenizer(tokenizer: str, settings: HubSettings) -> Path:
                       lambda: _snapshot(tokenizer, settings, TOKENIZER_FILES, _offline())))
 
 
+def download_adapter(adapter: str, settings: HubSettings) -> Path:
+    """The local folder of the hub LoRA adapter ``adapter`` (its PEFT config and safetensors only)."""
+    return Path(_call(adapter, settings.revision or "main", lambda: _snapshot(
+        adapter, settings, ["adapter_config.json", "adapter_model.safetensors"], _offline())))
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 

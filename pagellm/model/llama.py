@@ -185,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
     native_step_driver = True
     # Attention logit soft-capping (Gemma2), for the model runner's choice of attention backend.
     attn_logit_softcap: float | None = None
+    # Set by the model runner for a step with LoRA adapter rows: the hooks on the projections must run.
+    lora_active = False
 
     # HF checkpoint name -> (our fused parameter, shard index) for fused projections.
     stacked_params = {
@@ -260,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         """The final (normed) hidden states of every row, or of ``meta.output_rows``' rows in its order."""
         x = self.embed(input_ids)  # (num_tokens, hidden)
         driver = self._step_driver(kv_caches)
-        if driver is not None and driver.accepts(meta, x, positions):
+        if driver is not None and not self.lora_active and driver.accepts(meta, x, positions):
             return driver(x, positions, meta)  # every layer and the last norm in one call
         residual = None
         last = len(self.layers) - 1

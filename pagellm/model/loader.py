@@ -253,12 +253,14 @@ def load_model(
     files: ModelFiles, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, load_format: str,
     max_position: int, shard: Callable[[LlamaForCausalLM], None] | None = None, quantization: str | None = None,
     batch_invariant: bool = True, rename: Callable[[Iterator[tuple[str, Any]]], Iterator[Any]] | None = None,
+    lora: bool = False,
 ) -> LlamaForCausalLM:
     """The model with its weights. ``shard``: cuts the model to one tensor-parallel rank's share, in
     place (distributed/sharding.py's ``shard_model_`` for that rank), from the whole weights before
     they are packed. ``quantization``: as ``--quantization``; ``batch_invariant``: as
     ``--batch-invariant``, how quantized layers multiply (model/quant_linear.py); ``rename``: the
-    checkpoint's (name, tensor) pairs on their way to the model (the pooling runner's decoders)."""
+    checkpoint's (name, tensor) pairs on their way to the model (the pooling runner's decoders);
+    ``lora``: adapters will add to the MLP's gate and up projections, so they are packed apart."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     check_quantization(quantization, device, files)
@@ -295,7 +297,7 @@ def load_model(
     if quantization in QUANTIZERS:
         count = quantize_linear_layers(model, quantization, batch_invariant)
         logger.info("quantized %d linear layers to %s at load", count, quantization)
-    pack_linear_layers(model, dtype, device)
+    pack_linear_layers(model, dtype, device, gated=not lora)
     if batch_invariant and device.type == "cpu":
         pad_linear_rows(model)  # the layers left to PyTorch's matmul
     return model

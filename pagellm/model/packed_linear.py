@@ -110,12 +110,13 @@ def linear_kernel(dtype: torch.dtype, device: torch.device) -> str | None:
     return "onednn" if packing_works(dtype, device) else None
 
 
-def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device, gated: bool = True) -> int:
     """Replace every loaded ``nn.Linear`` of ``model`` by a ``PackedLinear`` where that helps.
 
     Call after the weights are loaded. Returns how many layers were packed (0 where packing
     does not apply). A tied LM head gets its own packed copy; the embedding keeps the original.
-    With the native kernel, the child a module names as its ``gated_projection`` is packed gated.
+    With the native kernel, the child a module names as its ``gated_projection`` is packed gated (unless
+    ``gated`` is False: LoRA adapters add to gate and up before the activation).
     """
     kernel = linear_kernel(dtype, device)
     if kernel is None:
@@ -124,8 +125,8 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.devic
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                gated = kernel == "native" and getattr(module, "gated_projection", None) == name
-                setattr(module, name, PackedLinear(child, kernel, gated))
+                is_gated = gated and kernel == "native" and getattr(module, "gated_projection", None) == name
+                setattr(module, name, PackedLinear(child, kernel, is_gated))
                 count += 1
     if count:
         logger.info("packed %d linear layers for the %s bfloat16 kernel", count, kernel)

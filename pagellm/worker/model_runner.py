@@ -16,6 +16,8 @@ import torch
 
 from pagellm.core.runner_output import ModelRunnerOutput, TokenLogprobs
 from pagellm.core.sched_output import ScheduledSeq, SchedulerOutput
+from pagellm.lora.manager import LoRAManager
+from pagellm.lora.punica import LoRAStep
 from pagellm.model.attention import (
     AttentionConfig,
     AttentionMetadata,
@@ -71,6 +73,7 @@ class StepBatch:
     # [num_samples + num_scored] int64: the model's output rows the LM head reads, in SamplingMetadata's
     # order; None: every output row, in order (a decode-only step: no gather)
     logits_rows: torch.Tensor | None
+    lora: LoRAStep | None = None  # each row's LoRA adapter; None: every row is the base model's
 
 
 class ModelRunner:
@@ -124,6 +127,8 @@ class ModelRunner:
         self.draft_probs: dict[int, torch.Tensor] = {}
         # The KV tier on disk (engine/kv_offload.py), where one is configured.
         self.disk_store: KVDiskStore | None = None
+        # LoRA adapters (--enable-lora; worker/lora_targets.py), where enabled.
+        self.lora: LoRAManager | None = None
         model.set_attention_backend(self.attn_backend)
         logger.info("attention: %s", self.attn_backend.describe())
         if v_cache.element_size() == 1:  # --kv-cache-dtype fp8: each layer scales what it stores
@@ -166,12 +171,16 @@ class ModelRunner:
         self.move_blocks(scheduler_output)
         if scheduler_output.scheduled:
             batch = self.prepare(scheduler_output.scheduled)
-            self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+            self.forward(batch)
 
     def take_in(self, scheduler_output: SchedulerOutput) -> None:
         """The step's news about each sequence, into the runner's state; finished sequences' seeded
         generators and grammars go with them (a preempted one keeps both: it comes back)."""
         self.requests.apply(scheduler_output)
+        if self.lora is not None:
+            for new in scheduler_output.new_seqs:
+                if new.lora_request is not None:
+                    self.lora.register(new.lora_request)
         finished = scheduler_output.finished_seq_ids
         if finished:
             self.sampler.forget(finished)
@@ -214,8 +223,12 @@ class ModelRunner:
                                         for g in range(1, self.num_groups))]
         sampling = self.prepare_sample(items)
         logits_rows = self.prepare_logits_rows(attn, len(input_ids), sampling)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.begin_step([state.lora_id for _, state in items], [it.num_new_tokens for it, _ in items],
+                                        attn.output_rows.index if attn.output_rows is not None else None)
         return StepBatch(long_tensor(input_ids, self.device), long_tensor(positions, self.device), attn, sampling,
-                         logits_rows)
+                         logits_rows, lora)
 
     def batch_order(self, items: list[Chunk]) -> list[Chunk]:
         """Decodes first. Where the backend reads shared leading blocks once (cascade), those sharing
@@ -332,7 +345,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- run and sample
     def run_model(self, batch: StepBatch) -> torch.Tensor:
         """[num_samples + num_scored, vocab] float32 logits."""
-        hidden = self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+        hidden = self.forward(batch)
         prompt = batch.attn.prompt_rows
         if batch.attn.output_rows is not None and prompt is not None:
             prompt = prompt[batch.attn.output_rows.rows]
@@ -341,6 +354,17 @@ class ModelRunner:
             prompt = None if prompt is None else prompt[batch.logits_rows]
         with step_prompt_rows(() if prompt is None else (prompt,)):
             return self.model.compute_logits(hidden, decode_step=prompt is None)
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The model's forward pass over the batch, each row with its LoRA adapter where it has one."""
+        if batch.lora is None:
+            return self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+        assert self.lora is not None
+        self.lora.current, self.model.lora_active = batch.lora, True
+        try:
+            return self.model(batch.input_ids, batch.positions, self.cache_engine.kv_caches, batch.attn)
+        finally:
+            self.lora.current, self.model.lora_active = None, False
 
     def sample(self, sampling: SamplingMetadata, logits: torch.Tensor,
                grammar: GrammarMask | None = None) -> ModelRunnerOutput:

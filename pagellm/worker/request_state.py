@@ -29,17 +29,19 @@ class SeqState(TokenLists):
     sampling_params: SamplingParams | None  # None on a tensor-parallel worker
     seed: int | None
     block_tables: list[list[int]]  # [group][i]: block ids
+    lora_id: int = 0  # the LoRA adapter's lora_int_id (0: the base model)
 
     @classmethod
     def from_new(cls, new: NewSeqData) -> SeqState:
+        lora = new.lora_request
         return cls(new.seq_id, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params, new.seed,
-                   [list(t) for t in new.block_tables])
+                   [list(t) for t in new.block_tables], lora.lora_int_id if lora is not None else 0)
 
     def fork(self, child: ForkedSeq) -> SeqState:
         """An ``n > 1`` child's state as it forks: this sequence's tokens and parameters, its own seed;
         its block tables come with its first step."""
         return SeqState(child.seq_id, self.prompt_token_ids, list(self.output_token_ids), self.sampling_params,
-                        child.seed, [[] for _ in self.block_tables])
+                        child.seed, [[] for _ in self.block_tables], self.lora_id)
 
     @property
     def params(self) -> SamplingParams:

@@ -156,7 +156,7 @@ def test_preload_prompts_engine_arg_and_file(llama_path, tmp_path):
     assert llm.kv_cache_stats().pinned_blocks > 0
     lines = tmp_path / "prompts.txt"
     lines.write_text("first prompt here\n\nsecond prompt here\n")
-    from pagellm.config import read_prompt_file
+    from pagellm.prompt_file import read_prompt_file
 
     assert read_prompt_file(str(lines)) == ["first prompt here", "second prompt here"]
     with pytest.raises(ValueError, match="needs prefix caching"):

@@ -59,6 +59,7 @@ from pagellm.entrypoints.openai.serving import ChatOptions, RequestLogging
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_dashboard import BROWSER_PATHS, Dashboard, add_dashboard_routes
+from pagellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes, register_lora_modules
 from pagellm.entrypoints.openai.serving_messages import add_messages_routes
 from pagellm.entrypoints.openai.serving_pooling import add_pooling_refusals, pooling_task, run_pooling_server
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses, add_responses_routes
@@ -356,12 +357,13 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in serving.model_names]}
+        return {"object": "list", "data": [*map(model_card, serving.model_names),
+                                           *adapter_cards(engine, model_name, model_card)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         serving.check_model(model)
-        return model_card(model)
+        return next((c for c in adapter_cards(engine, model_name, model_card) if c["id"] == model), model_card(model))
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
@@ -402,6 +404,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | Sequence[str] |
 
     add_messages_routes(app, serving, parse_body, json_body, STREAMS)
     add_worker_routes(app, async_engine, model_name)  # what vllm-router reads: /get_load, /flush_cache ...
+    add_lora_routes(app, engine, lambda request, model: parse_body(request, model, strict_requests))
     add_pooling_refusals(app)  # /v1/embeddings, /score, /rerank ...: a 400 naming --runner pooling
     if responses_store is None:
         responses_store = ResponsesStore(1024, 256 * 2**20)
@@ -458,6 +461,7 @@ def run_server(args: argparse.Namespace, sock: socket.socket) -> int:
         logger.info("no model given: serving the embedded default %s", engine.model_path.name)
     names = engine_args.served_model_names or [args.model if args.model is not None else engine.model_path.name]
     name = names[0]
+    register_lora_modules(engine, getattr(args, "lora_modules", None), names)
     api_keys = args.api_key
     cors = CORSSettings(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     app = build_app(engine, name, api_key=api_keys, max_waiting_requests=args.max_waiting_requests,

@@ -139,6 +139,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="with --data-parallel-size > 1: how the router picks a replica: cache_aware (the one whose "
                         "cached prefixes match the prompt most, unless the loads are too uneven), consistent_hash, "
                         "power_of_two (the less loaded of two, by GET /get_load), round_robin, random")
+    s.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served beside the model (with --enable-lora): each name=path (a PEFT folder "
+                        "or hub id) or vLLM's JSON {\"name\": ..., \"path\": ...}; a request picks one by its model "
+                        "field. VLLM_ALLOW_RUNTIME_LORA_UPDATING=True also serves /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter")
     t = p.add_argument_group("HTTPS (vLLM's flags, through uvicorn)")
     t.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key (PEM), with --ssl-certfile")
     t.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile")

@@ -12,11 +12,13 @@ from starlette.routing import BaseRoute, Route
 # vLLM's server routes that pagellm does not serve (yet): path -> the API it is in vLLM.
 # (The pooling routes, /v1/embeddings, /score, /rerank ..., are served under --runner pooling, and answer a
 # 400 naming it on a generative server: serving_pooling.py.)
-_LORA = "LoRA adapter loading (--enable-lora)"
+# Served under --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (serving_lora.py).
+_LORA_UPDATES = ("LoRA adapter loading at run time, served with --enable-lora and "
+                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
 _DEV = "a development route of vLLM's server (VLLM_SERVER_DEV_MODE)"
 VLLM_ROUTES_NOT_SERVED: dict[str, str] = {
-    "/v1/load_lora_adapter": _LORA,
-    "/v1/unload_lora_adapter": _LORA,
+    "/v1/load_lora_adapter": _LORA_UPDATES,
+    "/v1/unload_lora_adapter": _LORA_UPDATES,
     "/invocations": "SageMaker's invocation route",
     "/ping": "SageMaker's health check (this server's is GET /health)",
     "/server_info": _DEV,
@@ -60,7 +62,9 @@ def no_such_route(method: str, path: str, routes: list[str]) -> str:
     """The 404's message for ``method path``, given the ``served_routes``."""
     head = f"no such route: {method} {path}"
     api = vllm_api_of(path)
-    if api is not None:
+    if api is _LORA_UPDATES:
+        head += f" is {api}"
+    elif api is not None:
         head += f" is {api} in vLLM's server, which pagellm does not serve yet"
     else:
         paths = sorted({r.split(" ", 1)[1] for r in routes})

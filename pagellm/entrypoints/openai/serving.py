@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from pagellm.engine.detokenizer import StopStringMatcher
 from pagellm.entrypoints.openai.errors import APIError, error_body, from_value_error
+from pagellm.entrypoints.openai.serving_lora import lora_of
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.text import plural
@@ -151,10 +152,16 @@ class OpenAIServing:
 
     # --------------------------------------------------------------- common
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        """404 unless ``model`` is a name of the base model or of a LoRA adapter served."""
+        if model is not None and model not in self.model_names and lora_of(self.llm, model) is None:
+            adapters = list(self.llm.lora.registered) if self.llm.lora is not None else []
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"{', '.join(repr(n) for n in self.model_names)}",
+                                f"{', '.join(repr(n) for n in [*self.model_names, *adapters])}",
                            param="model", code="model_not_found")
+
+    def reported_model(self, model: str | None) -> str:
+        """The name a response reports: the LoRA adapter's where the request named one."""
+        return model if model is not None and lora_of(self.llm, model) is not None else self.model_name
 
     def check_logprobs(self, name: str, n: int | None) -> None:
         """400 naming the field unless ``n`` (logprobs asked for) is within ``--max-logprobs``."""
@@ -191,7 +198,8 @@ class OpenAIServing:
                 if self.request_logging is not None:
                     self.request_logging.log(rid, text, ids, params)
                 streams.append(self.engine.add_request(rid, prompt, params, priority=req.priority,
-                                                       ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo))
+                                                       ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo,
+                                                       lora_request=lora_of(self.llm, getattr(req, "model", None))))
         except (QueueFullError, EngineDeadError, ValueError) as e:
             for s in streams:  # one prompt refused: none of the request's prompts runs
                 s.abort()

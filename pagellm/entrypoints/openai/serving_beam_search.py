@@ -57,6 +57,10 @@ def check_fields(req: SamplingFields, unsupported: dict[str, tuple[Any, ...]]) -
 def beam_params(serving: OpenAIServing, req: SamplingFields, width: int, width_field: str,
                 max_tokens: int) -> BeamSearchParams:
     """The search's parameters; a 400 naming the field when the width or max_tokens cannot be served."""
+    model = getattr(req, "model", None)
+    if serving.reported_model(model) != serving.model_name:
+        raise APIError(400, f"use_beam_search with the LoRA adapter '{model}' is not supported yet: sample with the "
+                            "adapter, or search on the base model", param="use_beam_search")
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise APIError(400, f"{width_field} is the beam width with use_beam_search: it must be in "
                             f"[1, {MAX_BEAM_WIDTH}], got {width}", param=width_field)

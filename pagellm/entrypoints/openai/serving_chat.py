@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             return await self._chat_beam_search(req, http)
         start = await self.start_chat(req)
         job, role = start.job, start.role
-        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.model_name)
+        envelope = Envelope(job.streams[0].request_id, "chat.completion", self.reported_model(req.model))
         if req.stream:
             envelope.object = "chat.completion.chunk"
             return self._sse(self._chat_chunks(start, req, envelope))

@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                param="prompt", code="context_length_exceeded")
             self._check_length(len(ids), params.max_tokens or 1)
         job = self._start(prompts, params, req, "cmpl")
-        envelope = Envelope(job.streams[0].request_id, "text_completion", self.model_name)
+        envelope = Envelope(job.streams[0].request_id, "text_completion", self.reported_model(req.model))
         if req.stream:
             return self._sse(self._completion_chunks(job, req, envelope, echo_only))
         finals = await self._collect(job, http)

@@ -152,7 +152,10 @@ def test_plural_counts():
 def test_a_vllm_route_pagellm_does_not_serve_says_so(server):
     r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
     message = r.json()["error"]["message"]
-    assert "no such route: POST /v1/load_lora_adapter is LoRA adapter loading" in message
+    assert "no such route: POST /v1/load_lora_adapter is LoRA adapter loading at run time, served with " \
+           "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in message
+    r = httpx.post(server.url + "/sleep", json={})
+    message = r.json()["error"]["message"]
     assert "which pagellm does not serve yet" in message
     assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -238,6 +238,7 @@
       const left = r.ttft_deadline === null ? null : r.ttft_deadline - now;
       tr.appendChild(td(left === null ? "–" : left >= 0 ? `in ${seconds(left)}` : `missed by ${seconds(-left)}`));
       tr.appendChild(td(String(r.preemptions)));
+      tr.appendChild(td(r.lora_adapter || "base", "lora"));
       frag.appendChild(tr);
     }
     body.replaceChildren(frag);
