@@ -1,6 +1,6 @@
 """Embedding clients against the pooling server (--runner pooling) on a tiny BERT folder: LangChain's
-OpenAIEmbeddings and LiteLLM's `embedding` (`hosted_vllm/` and `openai/`), compared with offline
-LLM.embed; a Cohere-style rerank request through httpx on a tiny cross-encoder."""
+OpenAIEmbeddings, LlamaIndex's OpenAILikeEmbedding and LiteLLM's `embedding` (`hosted_vllm/` and `openai/`),
+compared with offline LLM.embed; a Cohere-style rerank request through httpx on a tiny cross-encoder."""
 
 from __future__ import annotations
 
@@ -37,6 +37,24 @@ def test_langchain_openai_embeddings(embedder) -> None:
                            check_embedding_ctx_length=False)
     np.testing.assert_allclose(emb.embed_documents(TEXTS), offline, atol=1e-6)
     np.testing.assert_allclose(emb.embed_query(TEXTS[0]), offline[0], atol=1e-6)
+
+
+def test_llamaindex_openai_like_embedding(embedder) -> None:
+    from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+    srv, offline = embedder
+    emb = OpenAILikeEmbedding(model_name="tiny-embed", api_base=srv.url + "/v1", api_key=KEY, embed_batch_size=2)
+    one = np.array(emb.get_text_embedding(TEXTS[1]))
+    batch = np.array(emb.get_text_embedding_batch(TEXTS))  # two requests: embed_batch_size=2
+    query = np.array(emb.get_query_embedding(TEXTS[0]))
+    assert batch.shape == offline.shape
+    assert cosines(batch, offline).min() >= 0.9999
+    assert cosines(one, offline[1]) >= 0.9999
+    assert cosines(query, offline[0]) >= 0.9999
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 @pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
