@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
-# The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LiteLLM, anthropic).
+# The pinned third-party clients of tests/peers (guidellm, lm-eval, LangChain, LlamaIndex, LiteLLM, anthropic).
 $(VENV)/.peers-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,peers]"
 	touch $@

@@ -1,6 +1,7 @@
 """The pooling server (--runner pooling) through the real openai SDK and httpx: /v1/embeddings (strings,
 token ids, float and base64, dimensions, usage) against offline LLM.embed; /score and the rerank shapes on
-a cross-encoder against LLM.score; each runner's 400 naming the other."""
+a cross-encoder against LLM.score; each runner's 400 naming the other; a retrieval check on the real
+all-MiniLM-L6-v2 (each of 50 paraphrases finds its source sentence)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,93 @@ def test_metrics_count_pooling_requests(server: RemoteServer) -> None:
     assert server.metric("pagellm_pooling_requests_total", 'kind="embedding"') >= 1
     assert server.metric("vllm:prompt_tokens_total") == before + tokens
     assert server.metric("pagellm_pooling_batch_tokens_count") >= 1
+
+
+# Fifty sentences on distinct topics, each with a paraphrase sharing few of its words.
+RETRIEVAL_PAIRS = [
+    ("The cat sat on the mat.", "A cat was sitting on a rug."),
+    ("Paris is the capital of France.", "France's seat of government is the city of Paris."),
+    ("I love eating pizza on Friday nights.", "On Friday evenings I enjoy having pizza."),
+    ("The stock market fell sharply today.", "Shares dropped steeply in today's trading."),
+    ("She plays the violin in an orchestra.", "She is a violinist in a symphony orchestra."),
+    ("The train to Berlin leaves at noon.", "At 12 o'clock the Berlin train departs."),
+    ("Water boils at one hundred degrees Celsius.", "At 100 °C water starts to boil."),
+    ("He forgot his umbrella and got wet in the rain.", "Without his umbrella he was soaked by the shower."),
+    ("The doctor prescribed antibiotics for the infection.", "The physician gave her medicine to treat the infection."),
+    ("Our team won the football match yesterday.", "Yesterday we beat the other side at soccer."),
+    ("The laptop battery lasts ten hours.", "This notebook computer runs for ten hours on a charge."),
+    ("Bees make honey from flower nectar.", "Honey is produced by bees using nectar from blossoms."),
+    ("The museum is closed on Mondays.", "On Monday the gallery does not open its doors."),
+    ("He is learning to speak Japanese.", "He studies the Japanese language."),
+    ("The recipe needs two eggs and a cup of flour.", "You need a cup of flour and a couple of eggs to bake it."),
+    ("The server crashed because it ran out of memory.", "Running out of RAM made the machine go down."),
+    ("Mount Everest is the highest mountain on Earth.", "Earth's tallest peak is Everest."),
+    ("The children built a sandcastle on the beach.", "At the seaside the kids made a castle of sand."),
+    ("Please turn off the lights when you leave.", "Switch the lamps off as you go out."),
+    ("The library lends books for three weeks.", "You can borrow a novel from the library for 21 days."),
+    ("My grandmother knits warm woollen scarves every winter.",
+     "Each winter Grandma makes cosy wool scarves with her needles."),
+    ("The volcano erupted and covered the village in ash.", "Ash buried the town after the eruption of the mountain."),
+    ("Electric cars need charging stations along highways.",
+     "Battery-powered vehicles rely on chargers beside motorways."),
+    ("The baby finally fell asleep after midnight.", "It was past twelve at night when the infant dozed off."),
+    ("Our flight was delayed by three hours because of fog.",
+     "Thick mist held our plane on the ground for three hours."),
+    ("The dentist found a cavity in my back tooth.", "A hole in one of my molars was spotted at the dental check-up."),
+    ("Tomatoes grow best in full sunshine.", "Tomato plants thrive when they get plenty of sun."),
+    ("The judge sentenced the thief to two years in prison.", "The court sent the burglar to jail for two years."),
+    ("Whales communicate with long underwater songs.",
+     "Large marine mammals talk to each other by singing beneath the sea."),
+    ("He repaired the leaking kitchen tap with a new washer.",
+     "A fresh rubber seal fixed the dripping faucet in the kitchen."),
+    ("The company hired fifty new engineers this year.",
+     "Fifty developers joined the firm's payroll in the past twelve months."),
+    ("She ran a marathon in under four hours.", "Her time for the 42-kilometre race was below four hours."),
+    ("The ice on the lake is too thin to walk on.",
+     "It is unsafe to step onto the frozen pond because the ice is fragile."),
+    ("Chess players must think several moves ahead.", "In chess you have to plan your next few turns in advance."),
+    ("The old bridge was closed for repairs.", "Traffic cannot cross the ancient bridge while it is being mended."),
+    ("Coffee keeps me awake when I study late.", "Drinking espresso stops me dozing off during late-night revision."),
+    ("The parliament passed a new tax law.", "Legislators voted through fresh rules on taxation."),
+    ("A rainbow appeared after the storm.", "Once the thunderstorm ended, colourful arcs showed in the sky."),
+    ("The puppy chewed my favourite shoes.", "My young dog gnawed on the pair of shoes I like best."),
+    ("Solar panels turn sunlight into electricity.", "Photovoltaic cells convert the sun's rays into power."),
+    ("The restaurant serves vegetarian dishes only.", "No meat is on the menu at that eatery."),
+    ("Astronauts live on the space station for months.", "Crews stay aboard the orbiting laboratory for long periods."),
+    ("He lost his wallet on the bus.", "His purse went missing while he was riding public transport."),
+    ("The printer is out of ink again.", "Once more the printing machine has no cartridge left."),
+    ("Vaccines train the immune system to fight viruses.",
+     "Immunisation teaches the body's defences to resist viral disease."),
+    ("The orchestra tuned their instruments before the concert.",
+     "Before the performance the musicians adjusted the pitch of their instruments."),
+    ("Farmers harvest wheat at the end of summer.", "Late in the summer growers gather the grain crop."),
+    ("The password must contain at least twelve characters.",
+     "Your login secret needs a minimum length of twelve symbols."),
+    ("The river flooded the fields after heavy rain.",
+     "Torrential downpours made the stream overflow onto the farmland."),
+    ("Penguins cannot fly but they swim very well.", "These flightless Antarctic birds are excellent swimmers."),
+]
+
+
+def test_minilm_retrieval_through_the_server() -> None:
+    from pagellm.model.default_model import MINILM_INSTALL, minilm_path
+
+    folder = minilm_path()
+    if folder is None:
+        pytest.skip(f"all-MiniLM-L6-v2 is not installed ({MINILM_INSTALL})")
+    assert len(RETRIEVAL_PAIRS) == 50 and len({s for s, _ in RETRIEVAL_PAIRS}) == 50
+    srv = RemoteServer(folder, ["--served-model-name", "all-MiniLM-L6-v2"])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+
+        def embed(texts: list[str]) -> np.ndarray:
+            return np.array([d.embedding for d in client.embeddings.create(model="all-MiniLM-L6-v2", input=texts).data])
+
+        sources = embed([s for s, _ in RETRIEVAL_PAIRS])
+        queries = embed([p for _, p in RETRIEVAL_PAIRS])
+    finally:
+        srv.stop()
+    np.testing.assert_allclose(np.linalg.norm(sources, axis=1), 1.0, atol=1e-5)  # the folder's Normalize module
+    nearest = (queries @ sources.T).argmax(axis=1)
+    misses = [(RETRIEVAL_PAIRS[i][1], RETRIEVAL_PAIRS[j][0]) for i, j in enumerate(nearest) if i != j]
+    assert not misses, misses
