@@ -69,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks of each of the two replicas (default: its half of the prefixes and two more); "
                         "the single replica gets twice as many")
     p.add_argument("--repeats", type=int, default=3, help="runs of each setup; the median is reported")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the shared prompts and their order")
     p.add_argument("--output-json", default=None, help="write every run's figures here")
     p.set_defaults(func=run)
 

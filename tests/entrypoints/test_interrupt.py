@@ -10,11 +10,14 @@ import sys
 import time
 
 
-def test_ctrl_c_during_loading_names_the_phase_without_a_traceback(llama_path):
+def _interrupt_while_loading(llama_path) -> tuple[int, str] | None:
+    """Ctrl-C right after the first start-up phase's line; None where the command had already finished
+    (the tiny model loads in about a second, and a busy machine can delay this process longer)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pagellm.entrypoints.cli", "generate", "--model", str(llama_path),
                              "--max-tokens", "4", "--num-kv-blocks", "16", "--max-model-len", "64"],
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: os.nice(19))  # this process reacts before the command is done
     assert proc.stderr is not None
     lines = []
     deadline = time.monotonic() + 300
@@ -25,5 +28,17 @@ def test_ctrl_c_during_loading_names_the_phase_without_a_traceback(llama_path):
     proc.send_signal(signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     err = "".join(lines) + rest
-    assert proc.returncode == 130, err
+    if proc.returncode == 0 and "the engine ready" in err:
+        return None
+    return proc.returncode, err
+
+
+def test_ctrl_c_during_loading_names_the_phase_without_a_traceback(llama_path):
+    for _ in range(3):
+        result = _interrupt_while_loading(llama_path)
+        if result is not None:
+            break
+    assert result is not None, "the command finished before Ctrl-C three times"
+    returncode, err = result
+    assert returncode == 130, err
     assert "pagellm: interrupted while " in err and "Traceback" not in err and "KeyboardInterrupt" not in err
