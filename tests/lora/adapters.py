@@ -60,12 +60,14 @@ def _rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def peft_to_gguf(base: Path, adapter: Path, out: Path, arch: str = "llama", general_type: str = "adapter") -> Path:
+def peft_to_gguf(base: Path, adapter: Path, out: Path, arch: str = "llama", general_type: str = "adapter",
+                 qtype: str = "F32") -> Path:
     """The PEFT ``adapter`` written as llama.cpp's convert_lora_to_gguf.py writes it: ``blk.{i}.{name}.weight
-    .lora_a`` [r, in] / ``.lora_b`` [out, r], float32, q/k lora_b permuted for llama.cpp's rotary layout."""
+    .lora_a`` [r, in] / ``.lora_b`` [out, r] in ``qtype`` (its --outtype), q/k lora_b permuted for llama.cpp's
+    rotary layout."""
     import json
 
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
     from safetensors.torch import load_file
 
     config = json.loads((base / "config.json").read_text())
@@ -84,7 +86,11 @@ def peft_to_gguf(base: Path, adapter: Path, out: Path, arch: str = "llama", gene
         w = tensor.float()
         if which == "b" and module in heads and arch == "llama":
             w = _rope_permute(w, heads[module])
-        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{which}", w.contiguous().numpy())
+        kind = GGMLQuantizationType[qtype]
+        if kind == GGMLQuantizationType.Q8_0 and w.shape[-1] % 32:
+            kind = GGMLQuantizationType.F16  # (rows shorter than a block: the converter's fallback too)
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{which}",
+                          quantize(w.contiguous().numpy(), kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

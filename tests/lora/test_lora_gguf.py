@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagellm import LLM, LoRARequest, SamplingParams
 from tests.helpers import assert_all_blocks_free, random_prompts
@@ -43,6 +44,38 @@ def test_gguf_adapter_matches_its_peft_folder(base, peft, tmp_path):
     assert got[n : 2 * n] == got[:n]
     assert got[:n] != got[2 * n :], "the adapter should change the greedy tokens"
     assert_all_blocks_free(llm)
+
+
+def test_gguf_adapter_on_a_gguf_model_file(base, peft, tmp_path):
+    from tests.model.gguf_writer import write_gguf
+
+    model_file = write_gguf(base, tmp_path / "model.gguf", qtype="Q8_0")  # (linear layers kept in blocks)
+    gguf_file = peft_to_gguf(base, peft, tmp_path / "adapter.gguf")
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts([7, 30], vocab, seed=5)
+    llm = LLM(str(model_file), enable_lora=True, dtype="float32", max_lora_rank=8, max_loras=2)
+    n = len(prompts)
+    got = run(llm, prompts * 3, [LoRARequest("peft", 1, str(peft))] * n + [LoRARequest("gguf", 2, str(gguf_file))] * n
+              + [None] * n)
+    assert got[n : 2 * n] == got[:n]
+    assert got[:n] != got[2 * n :]
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+def test_gguf_adapter_tensor_types_read_as_their_floats(base, peft, tmp_path, qtype):
+    from safetensors.torch import load_file
+
+    from pagellm.lora.adapter_files import read_adapter
+    from pagellm.lora.gguf_adapter import read_gguf_adapter_tensors
+
+    cfg = read_adapter(peft_to_gguf(base, peft, tmp_path / f"{qtype}.gguf", qtype=qtype), max_rank=8)
+    assert (cfg.rank, cfg.scaling) == (8, 2.0)
+    config = json.loads((base / "config.json").read_text())
+    got = read_gguf_adapter_tensors(cfg, config["hidden_size"] // config["num_attention_heads"], "test")
+    want = {k[k.index("layers."):]: v for k, v in load_file(str(peft / "adapter_model.safetensors")).items()}
+    assert sorted(got) == sorted(want)
+    for key, tensor in got.items():
+        torch.testing.assert_close(tensor, want[key], atol=0.02, rtol=0.02)
 
 
 def test_non_adapter_gguf_and_other_base_are_refused(base, peft, checkpoints, tmp_path):
