@@ -61,7 +61,7 @@ def test_gguf_adapter_on_a_gguf_model_file(base, peft, tmp_path):
     assert got[:n] != got[2 * n :]
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0"])
 def test_gguf_adapter_tensor_types_read_as_their_floats(base, peft, tmp_path, qtype):
     from safetensors.torch import load_file
 
