@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from pagellm.config import EngineArgs
-from pagellm.lora.peft_config import LoRAError, read_adapter_config
+from pagellm.lora.adapter_files import read_adapter
+from pagellm.lora.peft_config import LoRAError
 from pagellm.lora.request import LoRARequest
 from pagellm.lora.weights import load_lora_weights
 from pagellm.model.hub import HubSettings, download_adapter, is_hub_id
@@ -56,8 +57,9 @@ class LoRAService:
                 raise LoRAError(f"lora_int_id {request.lora_int_id} is already adapter {known!r}: give each adapter "
                                 "its own id")
         local = self._local_path(request)
-        cfg = read_adapter_config(local, self.max_rank, request.lora_name)
-        load_lora_weights(cfg, self.manager.layout, self.dtype, request.lora_name)  # (shapes against the model)
+        cfg = read_adapter(local, self.max_rank, request.lora_name)
+        load_lora_weights(cfg, self.manager.layout, self.dtype, request.lora_name,  # (shapes against the model)
+                          self.manager.model_type)
         checked = LoRARequest(request.lora_name, request.lora_int_id, str(local), request.base_model_name)
         with self._lock:  # (under the local path too: the checked request comes back here with it)
             self._checked[key] = self._checked[(checked.lora_name, checked.lora_path)] = checked

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.lora.peft_config import read_adapter_config
+from pagellm.lora.adapter_files import read_adapter
 from pagellm.lora.punica import LoRAStep, Stacks, add_lora
 from pagellm.lora.request import LoRARequest
 from pagellm.lora.weights import LoRAWeights, TargetKey, TargetLayout, load_lora_weights
@@ -30,7 +30,9 @@ class LoRAManager:
     ``max_cpu_loras``), those in slots on the model's device (an LRU of ``max_loras``)."""
 
     def __init__(self, targets: dict[TargetKey, tuple[nn.Module, TargetLayout]], max_loras: int,
-                 max_cpu_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_cpu_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 model_type: str = "") -> None:
+        self.model_type = model_type  # (a GGUF adapter's base architecture must be the model's)
         self.layout = {key: layout for key, (_, layout) in targets.items()}
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max(max_cpu_loras, max_loras), max_rank
         self.dtype, self.device = dtype, device
@@ -78,8 +80,8 @@ class LoRAManager:
         cpu = self.loaded.get(adapter_id)
         if cpu is None:
             req = self.requests[adapter_id]
-            cfg = read_adapter_config(req.lora_path, self.max_rank, req.lora_name)
-            cpu = load_lora_weights(cfg, self.layout, self.dtype, req.lora_name)
+            cfg = read_adapter(req.lora_path, self.max_rank, req.lora_name)
+            cpu = load_lora_weights(cfg, self.layout, self.dtype, req.lora_name, self.model_type)
             self.loads += 1
             logger.info("LoRA adapter %r loaded from %s (rank %d, %.1f MiB)", req.lora_name, req.lora_path,
                         cpu.rank, cpu.nbytes / 2**20)

@@ -32,6 +32,7 @@ class AdapterConfig:
     rank: int
     scaling: float  # lora_alpha / r (rsLoRA: / sqrt(r))
     target_modules: tuple[str, ...]  # a subset of SUPPORTED_MODULES (those the config names)
+    gguf_arch: str | None = None  # a llama.cpp GGUF adapter (path: the file): its base architecture
 
     @property
     def weights_path(self) -> Path:
@@ -39,14 +40,13 @@ class AdapterConfig:
 
 
 def read_adapter_config(folder: str | Path, max_rank: int, name: str = "") -> AdapterConfig:
-    """The checked config of the PEFT adapter in ``folder``; LoRAError for anything pagellm cannot serve."""
+    """The checked config of the PEFT adapter in ``folder``; LoRAError for anything pagellm cannot serve
+    (``adapter_files.read_adapter`` takes llama.cpp's GGUF files too)."""
     label = f"LoRA adapter {name!r} ({folder})" if name else f"LoRA adapter {folder}"
     path = Path(folder).expanduser()
-    if str(folder).endswith(".gguf"):
-        raise LoRAError(f"{label}: llama.cpp's LoRA GGUF files are not supported yet; give the PEFT folder "
-                        f"({CONFIG_FILE} + {WEIGHTS_FILE}) the GGUF file was converted from")
     if not path.is_dir():
-        raise LoRAError(f"{label}: no such folder; give a folder holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raise LoRAError(f"{label}: no such folder; give a folder holding {CONFIG_FILE} and {WEIGHTS_FILE} (or a "
+                        "llama.cpp LoRA .gguf file)")
     for needed in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / needed).is_file():
             hint = " (a .bin adapter: save it again with safe_serialization=True)" if (

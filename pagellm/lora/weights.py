@@ -22,6 +22,7 @@ class TargetLayout:
 
     in_features: int
     parts: tuple[tuple[str, int], ...]
+    head_dim: int = 0  # attention's q/k/v: one head's width (to undo llama.cpp's q/k row order)
 
     @property
     def out_features(self) -> int:
@@ -59,15 +60,11 @@ class LoRAWeights:
 
 
 def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout], dtype: torch.dtype,
-                      name: str = "") -> LoRAWeights:
-    """The adapter's tensors for a model of ``layout``; LoRAError where they do not fit it."""
-    from safetensors.torch import load_file
-
+                      name: str = "", model_type: str = "") -> LoRAWeights:
+    """The adapter's tensors for a model of ``layout`` (and of ``model_type``, checked against a GGUF
+    adapter's base architecture); LoRAError where they do not fit it."""
     label = f"LoRA adapter {name!r} ({cfg.path})"
-    try:
-        raw = load_file(str(cfg.weights_path))
-    except Exception as e:  # (safetensors raises its own error types for a damaged file)
-        raise LoRAError(f"{label}: cannot read {cfg.weights_path.name}: {e}") from None
+    raw = _read_tensors(cfg, layout, model_type, label)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in raw.items():
         m = _KEY.search(key)
@@ -80,7 +77,8 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
                             f"{', '.join(SUPPORTED_MODULES)}")
         found.setdefault((layer, module), {})[which] = tensor
     if not found:
-        raise LoRAError(f"{label}: {cfg.weights_path.name} holds no LoRA weights")
+        raise LoRAError(f"{label}: {cfg.path.name if cfg.gguf_arch is not None else cfg.weights_path.name} holds "
+                        "no LoRA weights")
     num_layers = 1 + max(layer for layer, _ in layout)
     tensors: dict[TargetKey, FusedLoRA] = {}
     full_b: dict[TargetKey, torch.Tensor] = {}
@@ -99,6 +97,23 @@ def load_lora_weights(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout],
         raise LoRAError(f"{label}: it adapts layer {extra[0]} but the model has {num_layers} layers: an adapter of "
                         "another base model?")
     return LoRAWeights(name, cfg.rank, tensors, full_b)
+
+
+def _read_tensors(cfg: AdapterConfig, layout: dict[TargetKey, TargetLayout], model_type: str, label: str
+                  ) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by PEFT's names: its safetensors file, or its llama.cpp GGUF file's."""
+    if cfg.gguf_arch is not None:
+        from pagellm.lora.gguf_adapter import check_architecture, read_gguf_adapter_tensors
+
+        check_architecture(cfg, model_type, label)
+        head_dim = next((t.head_dim for (_, fused), t in layout.items() if fused == "qkv_proj"), 0)
+        return read_gguf_adapter_tensors(cfg, head_dim, label)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(cfg.weights_path))
+    except Exception as e:  # (safetensors raises its own error types for a damaged file)
+        raise LoRAError(f"{label}: cannot read {cfg.weights_path.name}: {e}") from None
 
 
 def _block_diagonal(fused: FusedLoRA, out_features: int) -> torch.Tensor:

@@ -20,7 +20,8 @@ def lora_targets(model: Any) -> dict[TargetKey, tuple[nn.Module, TargetLayout]]:
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         targets[(i, "qkv_proj")] = (a.qkv_proj, TargetLayout(hidden, (("q_proj", a.q_size), ("k_proj", a.kv_size),
-                                                                       ("v_proj", a.kv_size))))
+                                                                       ("v_proj", a.kv_size)),
+                                                     head_dim=a.head_dim))
         targets[(i, "o_proj")] = (a.o_proj, TargetLayout(a.q_size, (("o_proj", hidden),)))
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
@@ -38,4 +39,5 @@ def make_lora_manager(model: Any, max_loras: int, max_cpu_loras: int, max_rank: 
             getattr(getattr(layer.mlp, "gate_up_proj", None), "gated", False) for layer in model.layers):
         raise ValueError("LoRA needs the MLP's gate and up projections computed apart (load the model with "
                          "lora=True)")
-    return LoRAManager(lora_targets(model), max_loras, max_cpu_loras, max_rank, dtype, device)
+    return LoRAManager(lora_targets(model), max_loras, max_cpu_loras, max_rank, dtype, device,
+                       model_type=str(getattr(model.config, "model_type", "") or ""))

@@ -48,3 +48,51 @@ def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], ma
                                  do_sample=False, pad_token_id=0)
             outs.append(got[0, len(ids):].tolist())
     return outs
+
+
+# PEFT's module names -> llama.cpp's tensor names.
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def _rope_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter's permutation of Llama's q/k rows (``LlamaModel.permute``)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def peft_to_gguf(base: Path, adapter: Path, out: Path, arch: str = "llama", general_type: str = "adapter",
+                 qtype: str = "F32") -> Path:
+    """The PEFT ``adapter`` written as llama.cpp's convert_lora_to_gguf.py writes it: ``blk.{i}.{name}.weight
+    .lora_a`` [r, in] / ``.lora_b`` [out, r] in ``qtype`` (its --outtype), q/k lora_b permuted for llama.cpp's
+    rotary layout."""
+    import json
+
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+    from safetensors.torch import load_file
+
+    config = json.loads((base / "config.json").read_text())
+    lparams = json.loads((adapter / "adapter_config.json").read_text())
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    writer = GGUFWriter(str(out), arch)
+    writer.add_type(general_type)
+    if general_type == "adapter":
+        writer.add_string("adapter.type", "lora")
+        writer.add_float32("adapter.lora.alpha", float(lparams["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        parts = key.split(".")
+        i = parts.index("layers")
+        layer, module, which = int(parts[i + 1]), parts[i + 3], parts[i + 4][-1].lower()
+        w = tensor.float()
+        if which == "b" and module in heads and arch == "llama":
+            w = _rope_permute(w, heads[module])
+        kind = GGMLQuantizationType[qtype]
+        if kind == GGMLQuantizationType.Q8_0 and w.shape[-1] % 32:
+            kind = GGMLQuantizationType.F16  # (rows shorter than a block: the converter's fallback too)
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{which}",
+                          quantize(w.contiguous().numpy(), kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

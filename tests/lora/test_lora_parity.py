@@ -119,7 +119,7 @@ def test_bad_adapters_are_refused_with_what_to_do(base, adapters, tmp_path):
     (odd / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="target module.* lm_head are not supported"):
         llm.generate("hi", sp, lora_request=LoRARequest("odd", 3, str(odd)))
-    with pytest.raises(ValueError, match="LoRA GGUF files are not supported yet"):
+    with pytest.raises(ValueError, match="no such file; give a llama.cpp LoRA GGUF file"):
         llm.generate("hi", sp, lora_request=LoRARequest("gguf", 4, str(tmp_path / "a.gguf")))
     assert_all_blocks_free(llm)
     plain = LLM(str(base), dtype="float32")

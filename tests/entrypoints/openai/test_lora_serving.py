@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from tests.entrypoints.openai.server_utils import RemoteServer
 from tests.helpers import random_prompts
-from tests.lora.adapters import ATTN, MLP, build_adapter, merged_greedy
+from tests.lora.adapters import ATTN, MLP, build_adapter, merged_greedy, peft_to_gguf
 
 KEY = "sk-lora"
 MAX_TOKENS = 6
@@ -31,6 +31,7 @@ def setup(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     tok = AutoTokenizer.from_pretrained(str(base))
     texts = {name: tok.decode(merged_greedy(base, path, [prompt], MAX_TOKENS)[0], skip_special_tokens=True)
              for name, path in [("base", None), *adapters.items()]}
+    adapters["attn.gguf"] = peft_to_gguf(base, adapters["attn"], root / "attn.gguf")  # (llama.cpp's layout)
     old = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     try:
@@ -81,6 +82,13 @@ def test_adapters_by_model_name_listing_and_runtime_loading(setup):
     assert {m.id for m in client.models.list().data} == {"base", "attn"}
     with pytest.raises(openai.NotFoundError):
         complete(client, "mlp", prompt)
+
+    # A llama.cpp LoRA GGUF file of the same adapter serves the same text.
+    r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "attn-gguf",
+                                                           "lora_path": str(adapters["attn.gguf"])},
+                   headers=srv.headers)
+    assert r.status_code == 200, r.text
+    assert complete(client, "attn-gguf", prompt) == texts["attn"]
 
 
 def test_adapters_and_base_stream_side_by_side(setup):
