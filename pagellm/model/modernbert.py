@@ -22,6 +22,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotary_attention(qkv: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, head_dim: int) -> torch.Tensor:
+    """Bidirectional attention over fused projections with rotary positions (ModernBERT, NomicBERT).
+    qkv: [b, t, 3 * num_heads * head_dim] -> [b, t, num_heads * head_dim]."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.view(b, t, 3, num_heads, head_dim).unbind(dim=2)
+    q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=head_dim ** -0.5)
+    return out.transpose(1, 2).reshape(b, t, -1)
+
+
 class ModernBertEmbeddings(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -41,13 +54,7 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=bool(config.attention_bias))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.Wqkv(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(dim=2)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
-        return self.Wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.Wo(rotary_attention(self.Wqkv(x), mask, cos, sin, self.num_heads, self.head_dim))
 
 
 class ModernBertMLP(nn.Module):

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from pagellm.model.bert import BertModel, activation
+from pagellm.model.modernbert import rotary_attention
 
 # Nomic's config key -> transformers' (a folder written by Nomic's remote code has only the former).
 _CONFIG_KEYS = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
@@ -71,18 +71,7 @@ class NomicAttention(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.Wqkv(x).view(b, t, 3, self.num_heads, self.head_dim).unbind(dim=2)
-        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return self.out_proj(rotary_attention(self.Wqkv(x), mask, cos, sin, self.num_heads, self.head_dim))
 
 
 class NomicMLP(nn.Module):
