@@ -74,7 +74,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pagellm_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.pagellm_quant_row_bytes.restype = i64
     lib.pagellm_quant_row_bytes.argtypes = [ctypes.c_int, i64]
-    for quant_linear in (lib.pagellm_quant_linear, lib.pagellm_quant_linear_int8):
+    for quant_linear in (lib.pagellm_quant_linear, lib.pagellm_quant_linear_int8, lib.pagellm_quant_linear_panel):
         quant_linear.restype = ctypes.c_int
         quant_linear.argtypes = [ptr, i64, ctypes.c_int, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr, i64, ctypes.c_int,
                                  ctypes.c_int]

@@ -58,12 +58,14 @@ def _check_quantized(weight: torch.Tensor, ggml_type: int, k: int) -> None:
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, int8_activations: bool = False, panels: bool = False
+                 ) -> torch.Tensor:
     """x (m, k) float32 @ W.T (+ bias) for the quantized ``weight`` (n rows of blocks): (m, n) float32,
     written into ``out`` when given (a float32 (m, n) view whose rows are contiguous, such as a column
     slice of a wider output). With ``int8_activations`` each block of 32 of x is first quantized to
     int8 with its own scale (llama.cpp's Q8_0) and the products are integer dot products
-    (``csrc/quant_linear_int8.c``): faster, with the error of that rounding."""
+    (``csrc/quant_linear_int8.c``): faster, with the error of that rounding. ``panels``: float inputs
+    through ``pagellm_quant_linear_panel`` (``quant_linear_checked``)."""
     m, k = x.shape
     _check_quantized(weight, ggml_type, k)
     n = weight.shape[0]
@@ -75,20 +77,23 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: to
         raise ValueError(f"out must be a float32 ({m}, {n}) tensor with contiguous rows")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor of {n}")
-    quant_linear_checked(x, weight, ggml_type, bias, out, int8_activations)
+    quant_linear_checked(x, weight, ggml_type, bias, out, int8_activations, panels)
     return out
 
 
 def quant_linear_checked(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
-                         out: torch.Tensor, int8_activations: bool = False) -> None:
+                         out: torch.Tensor, int8_activations: bool = False, panels: bool = False) -> None:
     """``quant_linear`` on arguments already checked (float32 x with contiguous rows, a weight
     ``_check_quantized`` accepted, out as there): a model's every decode step calls it, and the
-    checks cost as much as the kernel on a small layer."""
+    checks cost as much as the kernel on a small layer. ``panels`` (float inputs): the weight is
+    dequantized a panel of rows at a time and every row multiplied there (any number of rows at a
+    matmul's speed, each row's result independent of the others)."""
     m, k = x.shape
     if m:
         f32 = DTYPE_CODES[torch.float32]
         lib = _lib()
-        kernel = lib.pagellm_quant_linear_int8 if int8_activations else lib.pagellm_quant_linear
+        kernel = (lib.pagellm_quant_linear_int8 if int8_activations
+                  else lib.pagellm_quant_linear_panel if panels else lib.pagellm_quant_linear)
         status = kernel(
             x.data_ptr(), x.stride(0), f32, m, k, weight.data_ptr(), ggml_type, weight.shape[0],
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), f32,

@@ -185,31 +185,36 @@ class QuantLinear(nn.Module):
             return None if decode_step else torch.ones(m, dtype=torch.bool)
         return next((mask for mask in masks if mask.shape[0] == m), None)
 
-    def _direct(self, rows: torch.Tensor, int8: bool) -> torch.Tensor:
-        """The kernels on the blocks themselves, float32 out."""
+    def _direct(self, rows: torch.Tensor, int8: bool, panels: bool = False) -> torch.Tensor:
+        """The kernels on the blocks themselves, float32 out (``panels``: quant.quant_linear_checked's)."""
         if rows.dtype != torch.float32 or rows.stride(1) != 1:
             rows = rows.float().contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         if len(self._calls) == 1:
             data, ggml_type, bias, _, _ = self._calls[0]
-            quant.quant_linear_checked(rows, data, ggml_type, bias, out, int8)
+            quant.quant_linear_checked(rows, data, ggml_type, bias, out, int8, panels)
         else:
             for data, ggml_type, bias, begin, end in self._calls:
-                quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8)
+                quant.quant_linear_checked(rows, data, ggml_type, bias, out[:, begin:end], int8, panels)
         return out
 
     def _float_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Float inputs. Batch-invariant: always the dequantized weight's matmul, on at least
-        ``MIN_MATMUL_ROWS`` rows (row_padded_linear.py), so that a prompt token's result does not depend
-        on how many tokens share its chunk. Otherwise the kernels read
-        the blocks directly up to ``DIRECT_MAX_ROWS`` rows (no dequantization per call)."""
+        """Float inputs. Batch-invariant: the panel kernel, whose rows do not depend on one another
+        (a prompt token's result does not depend on how many tokens share its chunk, and a few rows
+        after a prefix hit do not pay for the whole weight's dequantization); a 16-bit model where the
+        CPU multiplies 16-bit floats takes the dequantized weight's matmul in its dtype on at least
+        ``MIN_MATMUL_ROWS`` rows (row_padded_linear.py) instead. Otherwise the kernels read the blocks
+        directly up to ``DIRECT_MAX_ROWS`` rows, and larger calls dequantize the weight for a matmul."""
         m = rows.shape[0]
+        sixteen_bit = rows.dtype != torch.float32 and self._multiply_16bit
+        if self.batch_invariant and not sixteen_bit:
+            return self._direct(rows, int8=False, panels=True)
         if not self.batch_invariant and m <= DIRECT_MAX_ROWS:
             return self._direct(rows, int8=False)
         if self.batch_invariant:
             rows = padded_rows(rows)
         weight = self.dequantized()
-        if rows.dtype != torch.float32 and self._multiply_16bit:
+        if sixteen_bit:
             # a 16-bit model multiplies in its dtype, as it would unquantized, where the CPU computes it
             out = F.linear(rows, weight.to(rows.dtype), None if self.bias is None else self.bias.to(rows.dtype))
         else:  # (elsewhere PyTorch emulates 16-bit products, many times slower than float32's)

@@ -1,7 +1,8 @@
 """The quantized linear kernels (csrc/quant_linear.c, quant_linear_int8.c) against gguf's own
-dequantizers: the weights they read are the reference's to the bit; with float inputs the products are
-the dequantized weight's to float32 rounding, with int8 inputs they are the dequantized weight times
-the inputs rounded as llama.cpp's Q8_0 rounds them."""
+dequantizers: the weights they read are the reference's to the bit; with float inputs the products
+(read from the blocks, or from panels of dequantized rows) are the dequantized weight's to float32
+rounding, with int8 inputs they are the dequantized weight times the inputs rounded as llama.cpp's
+Q8_0 rounds them."""
 
 from __future__ import annotations
 
@@ -54,13 +55,14 @@ def test_dequantized_weights_are_ggufs_to_the_bit(name):
 
 @pytest.mark.parametrize("name", list(GGML_TYPES))
 @pytest.mark.parametrize("rows", [1, 3, 5, 17])
-def test_products_are_the_dequantized_weights_to_rounding(name, rows):
-    n, k = 40, 768
+@pytest.mark.parametrize("panels", [False, True], ids=["direct", "panels"])
+def test_products_are_the_dequantized_weights_to_rounding(name, rows, panels):
+    n, k = 41, 768  # (an odd number of weight rows: the panel kernel takes them two at a time)
     raw = random_blocks(name, n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(n)
     want = x.double() @ reference(raw, name).double().T + bias.double()
-    got = quant.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias)
+    got = quant.quant_linear(x, torch.from_numpy(raw), GGML_TYPES[name], bias, panels=panels)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -82,23 +84,24 @@ def test_int8_products_are_the_weights_times_the_rounded_inputs(name, rows):
 
 
 @pytest.mark.parametrize("name", list(GGML_TYPES))
-def test_an_int8_products_row_is_the_same_whatever_else_is_in_the_batch(name):
+@pytest.mark.parametrize("kernel", [dict(int8_activations=True), dict(panels=True)], ids=["int8", "panels"])
+def test_a_products_row_is_the_same_whatever_else_is_in_the_batch(name, kernel):
     # Batch invariance: a row's output, to the bit, does not depend on how many rows the call has, on
     # which rows they are, on the row's place among them, or on the number of threads.
     n, k = 203, 768  # (tiles of 8 weight rows and a partial last one; 2 threads at this size)
     raw = torch.from_numpy(random_blocks(name, n, k, seed=7))
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(n)
-    whole = quant.quant_linear(x, raw, GGML_TYPES[name], bias, int8_activations=True)
+    whole = quant.quant_linear(x, raw, GGML_TYPES[name], bias, **kernel)
     for i in (0, 5, 36):
-        alone = quant.quant_linear(x[i:i + 1], raw, GGML_TYPES[name], bias, int8_activations=True)
+        alone = quant.quant_linear(x[i:i + 1], raw, GGML_TYPES[name], bias, **kernel)
         assert torch.equal(alone[0], whole[i])
-    flipped = quant.quant_linear(x.flip(0)[3:], raw, GGML_TYPES[name], bias, int8_activations=True)
+    flipped = quant.quant_linear(x.flip(0)[3:], raw, GGML_TYPES[name], bias, **kernel)
     assert torch.equal(flipped, whole.flip(0)[3:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(quant.quant_linear(x, raw, GGML_TYPES[name], bias, int8_activations=True), whole)
+        assert torch.equal(quant.quant_linear(x, raw, GGML_TYPES[name], bias, **kernel), whole)
     finally:
         torch.set_num_threads(threads)
 

@@ -29,6 +29,22 @@
 
 #include "cpu_kernels.h"
 
+static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { /* a * b + c, rounded once, on every path */
+#if defined(__FMA__)
+    __m256 r;
+    __m256 va, vb, vc;
+    memcpy(&va, &a, 32), memcpy(&vb, &b, 32), memcpy(&vc, &c, 32);
+    r = _mm256_fmadd_ps(va, vb, vc);
+    f32x8 out;
+    memcpy(&out, &r, 32);
+    return out;
+#else
+    f32x8 out;
+    for (int i = 0; i < 8; i++) out[i] = fmaf(a[i], b[i], c[i]);
+    return out;
+#endif
+}
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif

@@ -264,3 +264,85 @@ int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *
     }
     return 0;
 }
+
+/* The same product as pagellm_quant_linear, for any number of rows at the speed of a matmul, and with
+ * each row's result independent of the others (--batch-invariant's prompt rows): the weight is
+ * dequantized a panel of rows at a time into a buffer of the thread's own (never the whole weight;
+ * a panel about fills a core's L2 cache, so that the input rows are read once per panel from further
+ * away), and every input row is multiplied with the panel there, 4 input rows by 2 weight rows per
+ * pass. Each
+ * output is one chain of fused multiply-adds over k in order, 8 lanes wide, then hsum8: the same
+ * operations whatever m is and whichever rows share a pass. */
+#define PANEL_BYTES (192 * 1024)
+
+static inline __attribute__((always_inline)) void panel_block(int rows, int cols, const float *x, int64_t k,
+                                                              const float *wp, float *out) {
+    f32x8 acc[4][2] = {{{0}}};
+    for (int64_t i = 0; i < k; i += 8) {
+        const f32x8 w0 = load8(wp + i), w1 = cols == 2 ? load8(wp + k + i) : w0;
+        for (int r = 0; r < rows; r++) {
+            const f32x8 xv = load8(x + r * k + i);
+            acc[r][0] = fma8(xv, w0, acc[r][0]);
+            if (cols == 2) acc[r][1] = fma8(xv, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) out[r * 2 + c] = hsum8(acc[r][c]);
+}
+
+int pagellm_quant_linear_panel(const void *x_in, int64_t x_stride, int x_dtype, int64_t m, int64_t k, const uint8_t *w,
+                               int type, int64_t n, const float *bias, void *y_out, int64_t y_stride, int y_dtype,
+                               int num_threads) {
+    const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
+    if (row_bytes == 0 || k % 8) return -1;
+    float *x = malloc((size_t)(m * k + 1) * sizeof(float));
+    if (x == NULL) return -2;
+    for (int64_t r = 0; r < m; r++) load_floats(x_in, r * x_stride, k, x_dtype, x + r * k);
+    int64_t panel = PANEL_BYTES / (k * (int64_t)sizeof(float));
+    panel = panel < 8 ? 8 : panel > 64 ? 64 : panel & ~(int64_t)1;
+    const int64_t panels = (n + panel - 1) / panel;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *wp = malloc((size_t)(panel * k) * sizeof(float));
+        if (wp == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (wp == NULL) continue;
+            const int64_t j0 = p * panel, width = n - j0 < panel ? n - j0 : panel;
+            switch (type) {
+#define DEQUANTIZE(TYPE) \
+    case TYPE: dequantize_rows(TYPE, w + j0 * row_bytes, row_bytes, k, 0, width, wp); break;
+                DEQUANTIZE(GGML_Q4_0) DEQUANTIZE(GGML_Q4_1) DEQUANTIZE(GGML_Q5_0) DEQUANTIZE(GGML_Q5_1)
+                DEQUANTIZE(GGML_Q8_0) DEQUANTIZE(GGML_Q4_K) DEQUANTIZE(GGML_Q5_K) DEQUANTIZE(GGML_Q6_K)
+#undef DEQUANTIZE
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += 4) {
+                const int rows = m - r0 < 4 ? (int)(m - r0) : 4;
+                for (int64_t c0 = 0; c0 < width; c0 += 2) {
+                    const int cols = width - c0 < 2 ? 1 : 2;
+                    float out[8];
+                    const float *xr = x + r0 * k, *wc = wp + c0 * k;
+                    /* one copy per block shape, its accumulators in registers */
+                    if (rows == 4 && cols == 2) panel_block(4, 2, xr, k, wc, out);
+                    else if (cols == 2) panel_block(rows, 2, xr, k, wc, out);
+                    else panel_block(rows, 1, xr, k, wc, out);
+                    for (int r = 0; r < rows; r++) {
+                        for (int c = 0; c < cols; c++) {
+                            const int64_t j = j0 + c0 + c;
+                            const float v = out[r * 2 + c] + (bias != NULL ? bias[j] : 0.0f);
+                            if (y_dtype == PAGELLM_F32) ((float *)y_out)[(r0 + r) * y_stride + j] = v;
+                            else store_floats(y_out, (r0 + r) * y_stride + j, 1, y_dtype, &v);
+                        }
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(x);
+    return failed ? -2 : 0;
+}

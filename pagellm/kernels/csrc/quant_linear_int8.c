@@ -218,22 +218,6 @@ static inline int scale_halves(int type) { return type == GGML_Q6_K; }
 /* Signed integers in a tile: Q4_0 and Q5_0 keep theirs unsigned, their 8 and 16 moved to the offset. */
 static inline int tile_signed(int type) { return type == GGML_Q8_0 || type == GGML_Q6_K; }
 
-static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { /* a * b + c, rounded once, on every path */
-#if defined(__FMA__)
-    __m256 r;
-    __m256 va, vb, vc;
-    memcpy(&va, &a, 32), memcpy(&vb, &b, 32), memcpy(&vc, &c, 32);
-    r = _mm256_fmadd_ps(va, vb, vc);
-    f32x8 out;
-    memcpy(&out, &r, 32);
-    return out;
-#else
-    f32x8 out;
-    for (int i = 0; i < 8; i++) out[i] = fmaf(a[i], b[i], c[i]);
-    return out;
-#endif
-}
-
 /* out[t] dword i = in[i] dword t (an 8 x 8 transpose of 4-byte groups). */
 static inline void transpose_dwords(const u8x32 in[8], u8x32 out[8]) {
 #if defined(__AVX2__)
