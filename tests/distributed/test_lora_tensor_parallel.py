@@ -24,9 +24,11 @@ TIGHT = dict(dtype="float32", max_model_len=160, block_size=4, num_kv_blocks=48,
              max_num_seqs=16, swap_space=0.05, enable_prefix_caching=True)
 
 
-@pytest.fixture(scope="module")
-def base(checkpoints: dict[str, Path]) -> Path:
-    return checkpoints["llama-gqa-rope"]  # (grouped KV heads, split 2 over 2: q, k and v shards of their own)
+# Grouped KV heads split 2 over 2 (q, k and v shards of their own); `make test-slow` also one KV head
+# replicated over both ranks (each keeps all of k's and v's B rows), with q/k/v biases.
+@pytest.fixture(scope="module", params=["llama-gqa-rope", pytest.param("qwen2", marks=pytest.mark.slow)])
+def base(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Path:
+    return checkpoints[request.param]
 
 
 @pytest.fixture(scope="module")
