@@ -13,7 +13,7 @@ import pytest
 
 from pagellm import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from tests.helpers import assert_all_blocks_free, random_prompts
-from tests.lora.adapters import ATTN, MLP, build_adapter, merged_greedy
+from tests.lora.adapters import ATTN, COLOURS, MLP, build_adapter, merged_choice_greedy, merged_greedy
 from tests.structured.schemas import SCHEMAS
 
 MAX_TOKENS = 8
@@ -88,34 +88,6 @@ def test_constrained_requests_with_an_adapter_follow_their_schema_next_to_the_ba
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     assert len(set(texts)) > 1, texts  # (the adapters change what the grammar lets each pick)
-
-
-COLOURS = ["red", "green", "blue", "black", "white", "brown", "pink", "gray"]
-
-
-def merged_choice_greedy(base: Path, adapter: Path | None, prompt: list[int], choices: list[str]) -> str:
-    """transformers' greedy answer on ``base`` with PEFT's merge of ``adapter`` under a choice grammar: at
-    each step the best token that keeps the text a prefix of a choice (the end of text once it is one)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(base))
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    special = set(tok.all_special_ids)
-    pieces = {i: tok.decode([i]) for i in range(len(tok)) if i not in special}
-    text, ids = "", list(prompt)
-    with torch.no_grad():
-        while True:
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            allowed = [i for i, p in pieces.items() if p and any(c.startswith(text + p) for c in choices)]
-            allowed += [tok.eos_token_id] if text in choices else []
-            best = max(allowed, key=lambda i: float(logits[i]))
-            if best == tok.eos_token_id:
-                return text
-            text, ids = text + pieces[best], ids + [best]
 
 
 def test_under_a_choice_grammar_an_adapter_answers_as_the_merged_model(llm, base, adapters, prompts):
