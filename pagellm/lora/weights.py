@@ -12,9 +12,9 @@ from pagellm.lora.peft_config import SUPPORTED_MODULES, AdapterConfig, LoRAError
 
 # (layer index, fused projection's name): e.g. (3, "qkv_proj").
 TargetKey = tuple[int, str]
-# PEFT's names in a saved adapter: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 # (start, end, whole width): a tensor-parallel rank's share of a dimension.
 Span = tuple[int, int, int]
+# PEFT's names in a saved adapter: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
