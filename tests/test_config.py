@@ -87,7 +87,8 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_available_memory(llama_p
     (dict(tokenizer_mode="sentencepiece"), r"tokenizer_mode \(--tokenizer-mode\) must be one of auto, hf, slow"),
     (dict(revision=""), r"revision \(--revision\) must be a non-empty string"),
     (dict(tokenizer_revision=""), r"tokenizer_revision \(--tokenizer-revision\) must be a non-empty string"),
-    (dict(enable_lora=True, tensor_parallel_size=2), "--enable-lora with --tensor-parallel-size > 1 is not supported"),
+    (dict(enable_lora=True, tensor_parallel_size=2, nnodes=2, master_port=29500),
+     "--enable-lora with --nnodes > 1 is not supported"),
     (dict(max_lora_rank=0), r"max_lora_rank \(--max-lora-rank\) must be a positive integer"),
     (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(4\)"),
 ])

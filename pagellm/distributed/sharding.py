@@ -9,6 +9,11 @@ of ``down_proj``, followed by an all-reduce; a mixture of experts cuts every exp
 once, after the weighted sum of its experts. The embedding, the norms, the router and the LM head
 stay whole on every rank. A bias of a row-parallel projection is added by rank 0 only: the
 all-reduce sums the ranks' outputs.
+
+Each sharded attention and dense MLP records its share as ``tp_spans`` (PEFT's module name -> (start,
+end, whole width)): a column-parallel part's output rows, a row-parallel projection's input columns. A
+LoRA adapter is cut by them as the base weights are (lora/weights.py): a part's B rows, o/down's A
+columns; the all-reduce then sums base and adapter partials alike.
 """
 
 from __future__ import annotations
@@ -104,6 +109,9 @@ def shard_attention_(attn: Attention, rank: int, world: int) -> None:
     v0 = heads * d + kv_heads * d + first_kv * d
     _shard_linear_rows(attn.qkv_proj, [(q0, q0 + local_heads * d), (k0, k0 + local_kv * d), (v0, v0 + local_kv * d)])
     _shard_linear_columns(attn.o_proj, q0, q0 + local_heads * d, rank)
+    k_span = (first_kv * d, (first_kv + local_kv) * d, kv_heads * d)
+    attn.tp_spans = {"q_proj": (q0, q0 + local_heads * d, heads * d), "k_proj": k_span, "v_proj": k_span,
+                     "o_proj": (q0, q0 + local_heads * d, heads * d)}
     attn.add_module("o_proj", AllReduced(attn.o_proj))
     attn.num_heads, attn.num_kv_heads = local_heads, local_kv
     attn.q_size, attn.kv_size = local_heads * d, local_kv * d
@@ -116,6 +124,8 @@ def shard_mlp_(mlp: GatedMLP, rank: int, world: int, reduce: bool) -> None:
     _shard_linear_rows(mlp.gate_up_proj, [(a, a + local), (size + a, size + a + local)])
     _shard_linear_columns(mlp.down_proj, a, a + local, rank)
     mlp.intermediate_size = local
+    span = (a, a + local, size)
+    mlp.tp_spans = {"gate_proj": span, "up_proj": span, "down_proj": span}
     if reduce:
         mlp.add_module("down_proj", AllReduced(mlp.down_proj))
 

@@ -5,7 +5,9 @@ The driver (rank 0) broadcasts a header ``[command, payload_len]``, then the pay
 
 - ``num_groups`` (KV cache groups), ``num_batched_tokens``;
 - the finished and the preempted sequence ids;
-- each new sequence: ``seq_id``, its prompt, its output tokens, then each group's block table;
+- each new sequence: ``seq_id``, its prompt, its output tokens, its LoRA adapter (``lora_int_id``, 0:
+  none; else its name's and its local path's UTF-8 bytes: each rank loads the adapter from the path
+  and keeps its share), then each group's block table;
 - each cached sequence's changes: ``seq_id``, its new tokens, whether a table changed, and if so
   each group's table edit (``-1``: none; else ``keep, dead_from, dead_to`` and the block ids appended);
 - each scheduled chunk: ``seq_id, start, num_new_tokens, sample, lp_from, lp_to`` (``-1, -1``: no
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.core.sched_output import CachedSeqData, ForkedSeq, NewSeqData, ScheduledSeq, SchedulerOutput, TableEdit
+from pagellm.lora.request import LoRARequest
 
 STEP, STOP = 1, 0
 HEADER_LEN = 2
@@ -47,6 +50,19 @@ def _put_pairs(payload: list[int], pairs: list[tuple[int, int]]) -> None:
         payload += [src, dst]
 
 
+def _put_text(payload: list[int], text: str) -> None:
+    _put_list(payload, list(text.encode()))
+
+
+def _put_lora(payload: list[int], lora: LoRARequest | None) -> None:
+    if lora is None:
+        payload.append(0)
+        return
+    payload.append(lora.lora_int_id)
+    _put_text(payload, lora.lora_name)
+    _put_text(payload, lora.lora_path)
+
+
 def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) of a step for the workers. ``block_moves`` has an entry for each KV cache group
     (the scheduler fills it every step), and so do the tables and edits of every sequence."""
@@ -58,6 +74,7 @@ def encode_step(out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         payload.append(new.seq_id)
         _put_list(payload, new.prompt_token_ids)
         _put_list(payload, new.output_token_ids)
+        _put_lora(payload, new.lora_request)
         for table in new.block_tables:
             _put_list(payload, table)
     payload.append(len(out.cached_seqs))
@@ -102,6 +119,16 @@ class _Reader:
     def counted(self) -> list[int]:
         return self.some(self.one())
 
+    def text(self) -> str:
+        return bytes(self.counted()).decode()
+
+    def lora(self) -> LoRARequest | None:
+        adapter_id = self.one()
+        if adapter_id == 0:
+            return None
+        name = self.text()
+        return LoRARequest(name, adapter_id, self.text())
+
     def edit(self) -> TableEdit | None:
         keep = self.one()
         if keep == NONE:
@@ -120,9 +147,9 @@ def decode_step(payload: torch.Tensor) -> SchedulerOutput:
     num_groups = r.one()
     out = SchedulerOutput(num_batched_tokens=r.one(), finished_seq_ids=r.counted(), preempted_seq_ids=r.counted())
     for _ in range(r.one()):
-        seq_id, prompt, output = r.one(), r.counted(), r.counted()
+        seq_id, prompt, output, lora = r.one(), r.counted(), r.counted(), r.lora()
         tables = [r.counted() for _ in range(num_groups)]
-        out.new_seqs.append(NewSeqData(seq_id, prompt, output, None, None, tables))
+        out.new_seqs.append(NewSeqData(seq_id, prompt, output, None, None, tables, lora))
     for _ in range(r.one()):
         seq_id, tokens, edited = r.one(), r.counted(), r.one()
         edits = [r.edit() for _ in range(num_groups)] if edited else []

@@ -30,6 +30,7 @@ from pagellm.model.default_model import default_model_path
 from pagellm.model.hf_overrides import apply_hf_overrides
 from pagellm.model.hub import local_model_path
 from pagellm.model.llama import sliding_window_of
+from pagellm.worker.lora_targets import make_lora_manager
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import Sampler
 
@@ -51,12 +52,16 @@ def worker_main(args: EngineArgs, rank: int) -> None:
     torch.manual_seed(args.seed)
     max_model_len = resolve_max_model_len(config, args.max_model_len)
     model = loader.load_model(files, config, dtype, device, args.load_format, max_model_len,
-                              shard=shard_for(rank, args.tensor_parallel_size), batch_invariant=args.batch_invariant)
+                              shard=shard_for(rank, args.tensor_parallel_size), batch_invariant=args.batch_invariant,
+                              lora=args.enable_lora)
     num_blocks, max_model_len, num_cpu_blocks = receive_kv_cache_size(group)
     sized = dataclasses.replace(args, num_kv_blocks=num_blocks, max_model_len=max_model_len)
     cache_engine, _, _ = allocate_kv_cache(sized, model.config, dtype, device, max_model_len, num_cpu_blocks)
     runner = ModelRunner(model, cache_engine, Sampler([], device, args.seed), device,
                          sliding_window=sliding_window_of(config), calculate_kv_scales=args.calculate_kv_scales)
+    if args.enable_lora:  # (adapters arrive with their requests' first step, by the path rank 0 checked)
+        runner.lora = make_lora_manager(model, args.max_loras, args.max_cpu_loras or args.max_loras,
+                                        args.max_lora_rank, dtype, device)
     follow_steps(runner, group)
 
 

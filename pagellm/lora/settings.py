@@ -15,8 +15,10 @@ def check_lora_args(args: Any) -> None:
     if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
         raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be at least max_loras ({args.max_loras}): the "
                          "adapters of a step are among those loaded; raise --max-cpu-loras or lower --max-loras")
-    if args.enable_lora and args.tensor_parallel_size > 1:
-        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet: the adapters are not "
-                         "sharded over the ranks; drop one of them")
+    nnodes = getattr(args, "nnodes", 1)
+    if args.enable_lora and isinstance(nnodes, int) and nnodes > 1:
+        raise ValueError("--enable-lora with --nnodes > 1 is not supported: every rank loads each adapter from the "
+                         "path node 0 resolved, which the other hosts may not have; run the ranks on one host "
+                         "(--tensor-parallel-size alone) or drop --enable-lora")
     if args.enable_lora and getattr(args, "runner", "auto") == "pooling":
         raise ValueError("--enable-lora applies to generative models; drop it with --runner pooling")

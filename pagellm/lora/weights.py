@@ -12,17 +12,25 @@ from pagellm.lora.peft_config import SUPPORTED_MODULES, AdapterConfig, LoRAError
 
 # (layer index, fused projection's name): e.g. (3, "qkv_proj").
 TargetKey = tuple[int, str]
+# (start, end, whole width): a tensor-parallel rank's share of a dimension.
+Span = tuple[int, int, int]
 # PEFT's names in a saved adapter: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 @dataclass(frozen=True)
 class TargetLayout:
-    """One fused projection of the model: its input width and its output's parts (PEFT name, width)."""
+    """One fused projection of the model: its input width and its output's parts (PEFT name, width).
+
+    Under tensor parallelism the widths are the rank's; ``row_spans`` (column-parallel: per part, the
+    rank's output rows of the whole part) or ``in_span`` (row-parallel: its input columns) say which,
+    as (start, end, whole width): an adapter's B rows or A columns are cut alike."""
 
     in_features: int
     parts: tuple[tuple[str, int], ...]
     head_dim: int = 0  # attention's q/k/v: one head's width (to undo llama.cpp's q/k row order)
+    row_spans: tuple[Span, ...] | None = None
+    in_span: Span | None = None
 
     @property
     def out_features(self) -> int:
@@ -133,16 +141,19 @@ def _fuse(found: dict[tuple[int, str], dict[str, torch.Tensor]], layer: int, pre
     a_t = torch.zeros(target.in_features, r * len(present), dtype=torch.float32)
     b_parts: list[tuple[int, torch.Tensor]] = []
     col = offset = 0
-    for part, width in target.parts:
+    for j, (part, width) in enumerate(target.parts):
         if part in present:
             ab = found[(layer, part)]
             if "A" not in ab or "B" not in ab:
                 raise LoRAError(f"{label}: layer {layer} {part} lacks its lora_{'B' if 'A' in ab else 'A'} weight")
             a, b = ab["A"].float(), ab["B"].float()
-            if tuple(a.shape) != (r, target.in_features) or tuple(b.shape) != (width, r):
+            rows = target.row_spans[j] if target.row_spans is not None else (0, width, width)
+            cols = target.in_span or (0, target.in_features, target.in_features)
+            if tuple(a.shape) != (r, cols[2]) or tuple(b.shape) != (rows[2], r):
                 raise LoRAError(f"{label}: layer {layer} {part} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "
-                                f"rank {r} on this model needs A {(r, target.in_features)} and B {(width, r)}: an "
+                                f"rank {r} on this model needs A {(r, cols[2])} and B {(rows[2], r)}: an "
                                 "adapter of another base model?")
+            a, b = a[:, cols[0] : cols[1]], b[rows[0] : rows[1]]  # (this rank's share, as the base weight's)
             a_t[:, col : col + r] = a.T
             b_parts.append((offset, (b.T * cfg.scaling).to(dtype).contiguous()))
             col += r

@@ -191,6 +191,8 @@ class GatedMLP(nn.Module):
 
     # The projection whose output is [gate | up]: a packed native linear applies silu(gate) * up itself.
     gated_projection = "gate_up_proj"
+    # A tensor-parallel rank's share, where sharded (distributed/sharding.py): PEFT module -> (start, end, whole).
+    tp_spans: dict[str, tuple[int, int, int]] | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()

@@ -50,6 +50,9 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
 
 
 class Attention(nn.Module):
+    # A tensor-parallel rank's share, where sharded (distributed/sharding.py): PEFT module -> (start, end, whole).
+    tp_spans: dict[str, tuple[int, int, int]] | None = None
+
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool = False) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from pagellm.core.sched_output import (
     TableEdit,
 )
 from pagellm.distributed.step_message import HEADER_LEN, STEP, STOP, decode_step, encode_step, stop_header
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling_params import SamplingParams
 from tests.core.fake_model import as_a_worker_decodes, fake_step, run_to_end
 from tests.core.utils import create_request, create_scheduler
@@ -28,7 +29,8 @@ def every_field() -> SchedulerOutput:
             ScheduledSeq(3, 16, 8, sample=False),
         ],
         new_seqs=[NewSeqData(1, [10, 11, 12, 13, 14], [], params, 2**64 - 1, [[3, 4], [5]]),
-                  NewSeqData(3, list(range(40)), [1, 2], params, None, [[0, 0, 6, 7, 8], [0, 9, 10]])],
+                  NewSeqData(3, list(range(40)), [1, 2], params, None, [[0, 0, 6, 7, 8], [0, 9, 10]],
+                             LoRARequest("sql-é", 7, "/adapters/sql lora"))],
         cached_seqs=[CachedSeqData(2, [15], [TableEdit(2, [11, 12], 0, 1), None]),
                      CachedSeqData(6, [], [None, TableEdit(0, [1, 2])]),
                      CachedSeqData(10, [16])],
@@ -46,6 +48,9 @@ def test_every_field_round_trips_but_what_only_rank_0_reads():
     back = decode_step(payload)
     assert back == as_a_worker_decodes(out)
     assert back.new_seqs[0].sampling_params is None and back.scheduled[0].fork_children[0].seed is None
+    lora = back.new_seqs[1].lora_request  # (equal by name: its id and path too)
+    assert lora is not None and (lora.lora_int_id, lora.lora_path) == (7, "/adapters/sql lora")
+    assert back.new_seqs[0].lora_request is None
     assert stop_header().tolist() == [STOP, 0]
 
 

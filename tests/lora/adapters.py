@@ -50,6 +50,35 @@ def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], ma
     return outs
 
 
+# The choices of the grammar tests (`merged_choice_greedy`).
+COLOURS = ["red", "green", "blue", "black", "white", "brown", "pink", "gray"]
+
+
+def merged_choice_greedy(base: Path, adapter: Path | None, prompt: list[int], choices: list[str]) -> str:
+    """transformers' greedy answer on ``base`` with PEFT's merge of ``adapter`` under a choice grammar: at
+    each step the best token that keeps the text a prefix of a choice (the end of text once it is one)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    special = set(tok.all_special_ids)
+    pieces = {i: tok.decode([i]) for i in range(len(tok)) if i not in special}
+    text, ids = "", list(prompt)
+    with torch.no_grad():
+        while True:
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            allowed = [i for i, p in pieces.items() if p and any(c.startswith(text + p) for c in choices)]
+            allowed += [tok.eos_token_id] if text in choices else []
+            best = max(allowed, key=lambda i: float(logits[i]))
+            if best == tok.eos_token_id:
+                return text
+            text, ids = text + pieces[best], ids + [best]
+
+
 # PEFT's module names -> llama.cpp's tensor names.
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

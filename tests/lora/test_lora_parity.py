@@ -1,6 +1,6 @@
 """LoRA adapters match transformers with PEFT's merge_and_unload of the same adapter, greedy in float32:
 each target-module set alone, mixed with other adapters and the base model in one batch, over a prefix
-cache, chunked prefill and preemption."""
+cache, chunked prefill and preemption, and under a choice grammar."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pagellm import LLM, LoRARequest, SamplingParams
+from pagellm import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
 from tests.helpers import assert_all_blocks_free, random_prompts
-from tests.lora.adapters import ATTN, MLP, build_adapter, merged_greedy
+from tests.lora.adapters import ATTN, COLOURS, MLP, build_adapter, merged_choice_greedy, merged_greedy
 
 MAX_TOKENS = 8
 # name -> (target modules, rank, alpha, rsLoRA)
@@ -142,3 +142,16 @@ def test_dashboard_rows_name_each_requests_adapter(base, adapters):
         "a": ("attn", "running"), "b": (None, "running"), "c": ("mlp", "waiting")}
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_under_a_choice_grammar_each_adapter_answers_as_its_merged_model(base, adapters, prompts):
+    llm = LLM(str(base), enable_lora=True, dtype="float32", max_lora_rank=16, max_loras=3)
+    reqs = requests_of(adapters)
+    loras: list[LoRARequest | None] = [None, *reqs.values()]
+    expected = [merged_choice_greedy(base, None if r is None else Path(r.lora_path), p, COLOURS)
+                for p in prompts[:2] for r in loras]
+    assert len(set(expected)) > 1, expected  # (the adapters change the answer)
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=COLOURS))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2] for _ in loras], params,
+                        lora_request=loras * 2, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == expected
