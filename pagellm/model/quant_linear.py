@@ -5,17 +5,20 @@ How they multiply: with int8 inputs, each input row is rounded to int8 per block
 products are integer dot products (``quant_linear_int8.c``), as llama.cpp and vLLM's GGUF kernels do:
 the kernel unpacks each weight block once per call whatever the number of rows, and gives each row
 the same result whatever else is in the batch. With float inputs the weights widen to float32 instead
-(``quant_linear.c``, or one dequantization per call and PyTorch's matmul above ``DIRECT_MAX_ROWS``
-rows): closer to the dequantized model, slower, and a row's result depends on how many rows share
-the call.
+(``quant_linear.c``): closer to the dequantized model, slower.
 
-So the mode follows ``--batch-invariant`` (on by default): ``int8`` everywhere, where a request's
-tokens do not depend on the batch, the prefix cache or the prompt's chunking (and prompts run on the
-integer kernels, faster than float32's products); without it, ``decode``: int8 inputs in decode-only
-steps and float inputs elsewhere, so that a prompt's first token is the dequantized model's (rounding
-a small model's prompt to int8 changes some answers, as it does in llama.cpp). ``float`` takes float
-inputs everywhere. ``PAGELLM_QUANT_ACTIVATIONS`` overrides the choice (the tests against
-transformers set ``float``). The LM head follows the same rule (``forward``'s ``decode_step``).
+The mode (``PAGELLM_QUANT_ACTIVATIONS``) is ``decode`` by default: generated tokens' rows take int8
+inputs and prompt tokens' rows float ones, so that a prompt's first token is the dequantized model's
+(rounding a small model's prompt to int8 changes some answers, as it does in llama.cpp). ``int8``
+takes int8 inputs everywhere, ``float`` nowhere (the tests against transformers set it). The LM head
+follows the same rule (``forward``'s ``decode_step``).
+
+Float rows under ``--batch-invariant`` (on by default) go through the panel kernel: the weight is
+dequantized a few rows at a time into a buffer the size of a core's cache and every row multiplied
+there, each row's result independent of the others, so a prompt token's result does not depend on
+its chunk, and the few rows left after a prefix hit cost their own products, not the whole weight's
+dequantization. Without it, calls of up to ``DIRECT_MAX_ROWS`` rows read the blocks directly and
+larger ones dequantize the weight once per call for PyTorch's matmul.
 
 Where they come from:
 
@@ -26,9 +29,7 @@ Where they come from:
   (llama.cpp's Q4_0, a scale per 32 weights, by ``gguf``'s quantizer).
 
 A fused projection (q/k/v, gate/up) is a stack of row segments, each in its own type, as the file
-stores its parts (a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K). With float inputs, calls of
-up to ``DIRECT_MAX_ROWS`` rows read the blocks directly; larger ones dequantize the weight once per
-call and use PyTorch's matmul, where the multiply outweighs the unpacking.
+stores its parts (a Q4_K_M file keeps v in Q6_K beside q and k in Q4_K).
 """
 
 from __future__ import annotations

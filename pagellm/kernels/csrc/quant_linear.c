@@ -6,9 +6,8 @@
  * call. The integers are widened to floats in registers (GCC vector extensions: AVX-512, AVX2 or SSE
  * by what -march=native gives) and multiplied with the float32 inputs, so the result is the
  * dequantized weight times x to float32 rounding, whatever the CPU. Decode's few rows read each
- * weight block once for up to QROWS input rows; prefill's hundreds of rows go through
- * pagellm_dequantize and a BLAS matmul instead (pagellm/model/quant_linear.py), where the multiply
- * outweighs unpacking the weight once.
+ * weight block once for up to QROWS input rows; prompt rows go through pagellm_quant_linear_panel
+ * (below), where the multiply outweighs unpacking the weight once.
  */
 #include "quant_blocks.h"
 
