@@ -29,6 +29,8 @@
 
 #include "cpu_kernels.h"
 
+static inline f32x8 splat(float s) { return (f32x8){s, s, s, s, s, s, s, s}; }
+
 static inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) { /* a * b + c, rounded once, on every path */
 #if defined(__FMA__)
     __m256 r;

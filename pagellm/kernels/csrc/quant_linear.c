@@ -266,81 +266,84 @@ int pagellm_dequantize(const uint8_t *w, int type, int64_t n, int64_t k, float *
 
 /* The same product as pagellm_quant_linear, for any number of rows at the speed of a matmul, and with
  * each row's result independent of the others (--batch-invariant's prompt rows): the weight is
- * dequantized a panel of rows at a time into a buffer of the thread's own (never the whole weight;
- * a panel about fills a core's L2 cache, so that the input rows are read once per panel from further
- * away), and every input row is multiplied with the panel there, 4 input rows by 2 weight rows per
- * pass. Each
- * output is one chain of fused multiply-adds over k in order, 8 lanes wide, then hsum8: the same
- * operations whatever m is and whichever rows share a pass. */
-#define PANEL_BYTES (192 * 1024)
+ * dequantized 16 rows at a time into a buffer of the thread's own (never the whole weight),
+ * transposed so that a vector's 8 lanes are 8 outputs, and every input row is multiplied there, 6
+ * input rows by 16 outputs per pass (12 accumulators; each input element broadcast once per pass).
+ * Each output is one chain of fused multiply-adds over k in order, the same operations whatever m is
+ * and whichever rows share a pass. */
+#define PANEL 16
+#define PANEL_ROWS 6
 
-static inline __attribute__((always_inline)) void panel_block(int rows, int cols, const float *x, int64_t k,
-                                                              const float *wp, float *out) {
-    f32x8 acc[4][2] = {{{0}}};
-    for (int64_t i = 0; i < k; i += 8) {
-        const f32x8 w0 = load8(wp + i), w1 = cols == 2 ? load8(wp + k + i) : w0;
+static inline __attribute__((always_inline)) void panel_block(int rows, const float *x, int64_t k, const float *wt,
+                                                              float *out) {
+    f32x8 acc[PANEL_ROWS][2] = {{{0}}};
+    for (int64_t i = 0; i < k; i++) {
+        const f32x8 w0 = load8(wt + PANEL * i), w1 = load8(wt + PANEL * i + 8);
         for (int r = 0; r < rows; r++) {
-            const f32x8 xv = load8(x + r * k + i);
+            const f32x8 xv = splat(x[r * k + i]);
             acc[r][0] = fma8(xv, w0, acc[r][0]);
-            if (cols == 2) acc[r][1] = fma8(xv, w1, acc[r][1]);
+            acc[r][1] = fma8(xv, w1, acc[r][1]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) out[r * 2 + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < rows; r++) {
+        memcpy(out + r * PANEL, &acc[r][0], sizeof acc[r][0]);
+        memcpy(out + r * PANEL + 8, &acc[r][1], sizeof acc[r][1]);
+    }
 }
 
 int pagellm_quant_linear_panel(const void *x_in, int64_t x_stride, int x_dtype, int64_t m, int64_t k, const uint8_t *w,
                                int type, int64_t n, const float *bias, void *y_out, int64_t y_stride, int y_dtype,
                                int num_threads) {
     const int64_t row_bytes = pagellm_quant_row_bytes(type, k);
-    if (row_bytes == 0 || k % 8) return -1;
+    if (row_bytes == 0) return -1;
     float *x = malloc((size_t)(m * k + 1) * sizeof(float));
     if (x == NULL) return -2;
     for (int64_t r = 0; r < m; r++) load_floats(x_in, r * x_stride, k, x_dtype, x + r * k);
-    int64_t panel = PANEL_BYTES / (k * (int64_t)sizeof(float));
-    panel = panel < 8 ? 8 : panel > 64 ? 64 : panel & ~(int64_t)1;
-    const int64_t panels = (n + panel - 1) / panel;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *wp = malloc((size_t)(panel * k) * sizeof(float));
-        if (wp == NULL) {
+        /* the panel's rows as dequantized, then transposed (columns past n stay zero) */
+        float *rows_buf = malloc((size_t)(2 * PANEL * k) * sizeof(float));
+        float *wt = rows_buf + PANEL * k;
+        if (rows_buf == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
-            if (wp == NULL) continue;
-            const int64_t j0 = p * panel, width = n - j0 < panel ? n - j0 : panel;
+            if (rows_buf == NULL) continue;
+            const int64_t j0 = p * PANEL, width = n - j0 < PANEL ? n - j0 : PANEL;
             switch (type) {
 #define DEQUANTIZE(TYPE) \
-    case TYPE: dequantize_rows(TYPE, w + j0 * row_bytes, row_bytes, k, 0, width, wp); break;
+    case TYPE: dequantize_rows(TYPE, w + j0 * row_bytes, row_bytes, k, 0, width, rows_buf); break;
                 DEQUANTIZE(GGML_Q4_0) DEQUANTIZE(GGML_Q4_1) DEQUANTIZE(GGML_Q5_0) DEQUANTIZE(GGML_Q5_1)
                 DEQUANTIZE(GGML_Q8_0) DEQUANTIZE(GGML_Q4_K) DEQUANTIZE(GGML_Q5_K) DEQUANTIZE(GGML_Q6_K)
 #undef DEQUANTIZE
             }
-            for (int64_t r0 = 0; r0 < m; r0 += 4) {
-                const int rows = m - r0 < 4 ? (int)(m - r0) : 4;
-                for (int64_t c0 = 0; c0 < width; c0 += 2) {
-                    const int cols = width - c0 < 2 ? 1 : 2;
-                    float out[8];
-                    const float *xr = x + r0 * k, *wc = wp + c0 * k;
-                    /* one copy per block shape, its accumulators in registers */
-                    if (rows == 4 && cols == 2) panel_block(4, 2, xr, k, wc, out);
-                    else if (cols == 2) panel_block(rows, 2, xr, k, wc, out);
-                    else panel_block(rows, 1, xr, k, wc, out);
-                    for (int r = 0; r < rows; r++) {
-                        for (int c = 0; c < cols; c++) {
-                            const int64_t j = j0 + c0 + c;
-                            const float v = out[r * 2 + c] + (bias != NULL ? bias[j] : 0.0f);
-                            if (y_dtype == PAGELLM_F32) ((float *)y_out)[(r0 + r) * y_stride + j] = v;
-                            else store_floats(y_out, (r0 + r) * y_stride + j, 1, y_dtype, &v);
-                        }
-                    }
+            for (int64_t i = 0; i < k; i++)
+                for (int64_t c = 0; c < PANEL; c++) wt[PANEL * i + c] = c < width ? rows_buf[c * k + i] : 0.0f;
+            for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROWS) {
+                const int rows = m - r0 < PANEL_ROWS ? (int)(m - r0) : PANEL_ROWS;
+                float out[PANEL_ROWS * PANEL];
+                const float *xr = x + r0 * k;
+                /* one copy per block height, its accumulators in registers */
+                switch (rows) {
+                    case 6: panel_block(6, xr, k, wt, out); break;
+                    case 5: panel_block(5, xr, k, wt, out); break;
+                    case 4: panel_block(4, xr, k, wt, out); break;
+                    case 3: panel_block(3, xr, k, wt, out); break;
+                    case 2: panel_block(2, xr, k, wt, out); break;
+                    default: panel_block(1, xr, k, wt, out); break;
+                }
+                for (int r = 0; r < rows; r++) {
+                    if (bias != NULL)
+                        for (int64_t c = 0; c < width; c++) out[r * PANEL + c] += bias[j0 + c];
+                    store_floats(y_out, (r0 + r) * y_stride + j0, width, y_dtype, out + r * PANEL);
                 }
             }
         }
-        free(wp);
+        free(rows_buf);
     }
     free(x);
     return failed ? -2 : 0;

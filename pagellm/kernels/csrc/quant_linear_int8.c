@@ -77,7 +77,6 @@ static inline u8x32 fifth_bits32(const uint8_t *h) {
 #endif
 }
 
-static inline f32x8 splat(float s) { return (f32x8){s, s, s, s, s, s, s, s}; }
 
 /* Chunk v (elements 32v .. 32v + 31) of block b, inlined with a constant type. */
 static inline __attribute__((always_inline)) chunk32 chunk_of(int type, const uint8_t *b, int v) {
