@@ -207,7 +207,7 @@ class ModelRunner:
         """The step's scheduled tokens as one flat batch, with what attention and sampling read (each
         sequence's tokens and tables from ``requests``, which took in the step's news first)."""
         items = self.batch_order([(it, self.requests[it.seq_id]) for it in scheduled])
-        decodes = [c for c in items if is_decode(c[0])]  # (first: see batch_order)
+        decodes = [c for c in items if is_decode(c)]  # (first: see batch_order)
         num_decodes = sum(it.num_new_tokens for it, _ in decodes)  # rows: one per token, drafts included
         input_ids, positions, slots = self.prepare_tokens(items)
         slot_mapping = long_tensor(slots, self.device)
@@ -235,8 +235,8 @@ class ModelRunner:
         their first block next to each other; else longest context first: decodes of similar length
         are contiguous runs."""
         if self.cascade:
-            return sorted(items, key=lambda c: (not is_decode(c[0]), c[1].block_tables[0][:1], -c[0].start))
-        return sorted(items, key=lambda c: (not is_decode(c[0]), -c[0].start))
+            return sorted(items, key=lambda c: (not is_decode(c), c[1].block_tables[0][:1], -c[0].start))
+        return sorted(items, key=lambda c: (not is_decode(c), -c[0].start))
 
     def prepare_tokens(self, items: list[Chunk]) -> tuple[list[int], list[int], list[int]]:
         """Every new token of the step, in batch order: its id, position and slot."""
@@ -416,6 +416,10 @@ def prompt_rows(items: list[Chunk]) -> torch.Tensor | None:
     return torch.tensor(flags, dtype=torch.bool)
 
 
-def is_decode(it: ScheduledSeq) -> bool:
-    """Whether ``it`` is a decode: its sequence's last token, with its drafts where it speculates."""
-    return it.num_new_tokens == 1 or bool(it.draft_token_ids)
+def is_decode(chunk: Chunk) -> bool:
+    """Whether the chunk is a decode: its sequence's last generated token, with its drafts where it
+    speculates. A prompt's last token left alone by a prefix-cache hit is a one-token prefill: its
+    attention is then the prefill kernel's, as when the token shared a chunk with the rest of its
+    prompt, so the answer does not depend on what the cache held (--batch-invariant)."""
+    it, state = chunk
+    return bool(it.draft_token_ids) or (it.num_new_tokens == 1 and it.start >= len(state.prompt_token_ids))

@@ -9,6 +9,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels import native
+from pagellm.model.default_model import DEFAULT_MODEL_INSTALL, embedded_gguf_path
 from pagellm.model.quant_linear import QuantLinear
 from tests.helpers import assert_all_blocks_free, random_prompts
 
@@ -79,4 +80,27 @@ def test_the_same_when_preempted(llama_path, model, mode):
     stats = llm.llm_engine.scheduler.stats
     assert (stats.num_swap_outs if mode == "swap" else stats.num_recomputes) > 0
     assert got[:3] == alone
+    assert_all_blocks_free(llm)
+
+
+
+@needs_kernels
+@pytest.mark.skipif(embedded_gguf_path() is None, reason=f"the embedded model is not installed ({DEFAULT_MODEL_INSTALL})")
+def test_a_prompt_all_cached_but_its_last_token_has_the_same_logprobs():
+    # The token the cache leaves to compute is attended as in its prompt's own chunk the first time (a
+    # one-token prefill on the native prefill kernel, not a decode): the real model's logprobs equal to
+    # the bit, not only its tokens (block_size 16: 33 and 161 leave one token, 48 whole blocks).
+    llm = LLM(str(embedded_gguf_path()), dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+    for length in (33, 48, 161):
+        prompt = random_prompts([length], vocab=20000, seed=length)[0]
+
+        def run(prompt: list[int] = prompt) -> list[dict[int, float]]:
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+            return [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+        first = run()
+        hits_before = llm.llm_engine.kv_cache_manager.prefix_cache_hits
+        assert run() == first, f"a {length}-token prompt"
+        assert llm.llm_engine.kv_cache_manager.prefix_cache_hits > hits_before
     assert_all_blocks_free(llm)
