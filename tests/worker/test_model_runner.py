@@ -98,8 +98,10 @@ def test_prepare_builds_one_flat_batch_decodes_first():
         ScheduledSeq(chunk, 4, 3, sample=False),
         ScheduledSeq(forked, 9, 1, sample=True, fork_children=[ForkedSeq(child, seed=7)]),
     ]
+    generating = (decode, forked)  # (their prompts are 6 tokens: positions 6 and 9 are generated tokens)
     runner.requests.apply(SchedulerOutput(scheduled, new_seqs=[
-        NewSeqData(seq_id, tokens, [], SamplingParams(), None, [table]) for seq_id, table in tables.items()]))
+        NewSeqData(seq_id, tokens[:6], tokens[6:], SamplingParams(), None, [table]) if seq_id in generating
+        else NewSeqData(seq_id, tokens, [], SamplingParams(), None, [table]) for seq_id, table in tables.items()]))
     batch = runner.prepare(scheduled)
     assert batch.positions.tolist() == [9, 6, 4, 5, 6, 0, 1, 2, 3, 4]
     assert batch.input_ids.tolist() == [tokens[p] for p in batch.positions.tolist()]
@@ -116,6 +118,6 @@ def test_prepare_builds_one_flat_batch_decodes_first():
     s = batch.sampling
     assert [q.seq_id for q in s.seqs] == [2, 4, 1, 0] and s.rows == [0, 0, 1, 9]
     assert s.lp_rows == [6, 7, 8] and s.lp_targets == tokens[2:5] and s.lp_owners == [(runner.requests[prompt], 3)]
-    assert (s.seqs[1].prompt_token_ids, s.seqs[1].seed, s.seqs[1].block_tables) == (tokens, 7, [[]])  # the forked child
+    assert (s.seqs[1].prompt_token_ids, s.seqs[1].seed, s.seqs[1].block_tables) == (tokens[:6], 7, [[]])  # the forked child
     assert batch.attn.output_rows.rows == [0, 1, 6, 7, 8, 9]
     assert batch.logits_rows.tolist() == [0, 0, 1, 5, 2, 3, 4]
