@@ -85,7 +85,8 @@ def test_the_same_when_preempted(llama_path, model, mode):
 
 
 @needs_kernels
-@pytest.mark.skipif(embedded_gguf_path() is None, reason=f"the embedded model is not installed ({DEFAULT_MODEL_INSTALL})")
+@pytest.mark.skipif(embedded_gguf_path() is None,
+                    reason=f"the embedded model is not installed ({DEFAULT_MODEL_INSTALL})")
 def test_a_prompt_all_cached_but_its_last_token_has_the_same_logprobs():
     # The token the cache leaves to compute is attended as in its prompt's own chunk the first time (a
     # one-token prefill on the native prefill kernel, not a decode): the real model's logprobs equal to

@@ -118,6 +118,7 @@ def test_prepare_builds_one_flat_batch_decodes_first():
     s = batch.sampling
     assert [q.seq_id for q in s.seqs] == [2, 4, 1, 0] and s.rows == [0, 0, 1, 9]
     assert s.lp_rows == [6, 7, 8] and s.lp_targets == tokens[2:5] and s.lp_owners == [(runner.requests[prompt], 3)]
-    assert (s.seqs[1].prompt_token_ids, s.seqs[1].seed, s.seqs[1].block_tables) == (tokens[:6], 7, [[]])  # the forked child
+    child_seq = s.seqs[1]  # the forked child
+    assert (child_seq.prompt_token_ids, child_seq.seed, child_seq.block_tables) == (tokens[:6], 7, [[]])
     assert batch.attn.output_rows.rows == [0, 1, 6, 7, 8, 9]
     assert batch.logits_rows.tolist() == [0, 0, 1, 5, 2, 3, 4]
