@@ -21,7 +21,7 @@ def lora_targets(model: Any) -> dict[TargetKey, tuple[nn.Module, TargetLayout]]:
     targets: dict[TargetKey, tuple[nn.Module, TargetLayout]] = {}
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
-        spans = getattr(a, "tp_spans", None)
+        spans = a.tp_spans
         qkv = ("q_proj", "k_proj", "v_proj")
         targets[(i, "qkv_proj")] = (a.qkv_proj, TargetLayout(
             hidden, (("q_proj", a.q_size), ("k_proj", a.kv_size), ("v_proj", a.kv_size)), head_dim=a.head_dim,
@@ -31,7 +31,7 @@ def lora_targets(model: Any) -> dict[TargetKey, tuple[nn.Module, TargetLayout]]:
         mlp = layer.mlp
         if isinstance(mlp, GatedMLP):
             size = mlp.intermediate_size
-            spans = getattr(mlp, "tp_spans", None)
+            spans = mlp.tp_spans
             targets[(i, "gate_up_proj")] = (mlp.gate_up_proj, TargetLayout(
                 hidden, (("gate_proj", size), ("up_proj", size)),
                 row_spans=(spans["gate_proj"], spans["up_proj"]) if spans else None))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,3 +126,18 @@ def peft_to_gguf(base: Path, adapter: Path, out: Path, arch: str = "llama", gene
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def assert_choice_answers_are_merged_models(llm: Any, base: Path, loras: list[Any], prompts: list[list[int]]) -> None:
+    """Each prompt under a choice of ``COLOURS``, once per adapter of ``loras`` (None: the base model),
+    all in one batch: ``llm``'s answers are PEFT's merged models' (``merged_choice_greedy``), and the
+    adapters change at least one answer."""
+    from pagellm import SamplingParams, StructuredOutputsParams
+
+    expected = [merged_choice_greedy(base, None if lora is None else Path(lora.lora_path), p, COLOURS)
+                for p in prompts for lora in loras]
+    assert len(set(expected)) > 1, expected  # (the adapters change the answer)
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=COLOURS))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in loras], params,
+                        lora_request=loras * len(prompts), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs] == expected
